@@ -1,0 +1,64 @@
+"""remat's exceptions: one base class, one subclass per thing a user can get wrong.
+
+This module imports nothing heavy, so the torch-free solver can raise them too.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BudgetError",
+    "InfeasibleBudgetError",
+    "LossNotFoundError",
+    "NoUnitsError",
+    "PlanMismatchError",
+    "ProfileError",
+    "RematError",
+]
+
+
+class RematError(Exception):
+    """Base class of every error remat raises on purpose."""
+
+
+class BudgetError(RematError, ValueError):
+    """A memory budget that cannot be parsed or is out of range."""
+
+
+class InfeasibleBudgetError(RematError):
+    """No plan fits the budget. ``min_feasible_bytes`` is the smallest peak any plan reaches."""
+
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "") -> None:
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+        msg = (
+            f"memory_budget={_fmt(budget_bytes)} is infeasible: the smallest peak any plan "
+            f"reaches is {_fmt(min_feasible_bytes)} ({min_feasible_bytes} bytes); pass a "
+            f"budget of at least that"
+        )
+        super().__init__(msg + (f". {detail}" if detail else ""))
+
+
+class ProfileError(RematError, ValueError):
+    """A profile that is malformed or cannot be used."""
+
+
+class PlanMismatchError(RematError):
+    """A plan applied to, or simulated against, a model or profile it was not made for."""
+
+
+class NoUnitsError(RematError):
+    """No units (checkpointing candidates) could be found in a model."""
+
+
+class LossNotFoundError(RematError):
+    """The loss of a training step could not be determined."""
+
+
+def _fmt(n: int) -> str:
+    """Bytes in binary units, for messages: 1536 -> '1.50 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.2f} GiB"

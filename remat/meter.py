@@ -1,0 +1,187 @@
+"""The memory meter: live tensor bytes and their peak over a region of code.
+
+It is a ``TorchDispatchMode``, so it sees every tensor that forward, autograd's
+backward and checkpoint recomputation allocate, on any device. It counts
+*storages*, not tensors: views and in-place results alias a storage that is
+already counted (the op schema says so), and a storage is counted once however
+many tensors share it. A storage stops counting when Python's last reference to
+it dies (a weakref callback), which is when its memory goes back to the
+allocator.
+
+Only storages allocated inside the region count: parameters and anything else
+that existed before ``__enter__`` are outside the measurement, so the figures are
+deltas over the region, which is what a planner needs.
+
+What it cannot see: scratch buffers that kernels allocate internally without
+going through the dispatcher (e.g. a backward matmul's contiguous copy). On CUDA
+the allocator's own ``memory_allocated`` / ``max_memory_allocated`` deltas are
+reported beside the dispatch-level figures, so both views can be compared.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["MemoryMeter", "MeterMark", "storage_bytes"]
+
+
+@dataclass(frozen=True)
+class MeterMark:
+    """A reading taken with :meth:`MemoryMeter.mark`.
+
+    ``live_bytes`` is the live figure at the mark; ``peak_bytes`` the highest live
+    figure between the previous mark (or ``__enter__``) and this one.
+    """
+
+    label: str
+    live_bytes: int
+    peak_bytes: int
+
+
+def storage_bytes(tensors: object) -> int:
+    """Bytes of the distinct storages behind the tensors in a (nested) structure."""
+    seen: dict[int, int] = {}
+    for t in tree_flatten(tensors)[0]:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            st = t.untyped_storage()
+            seen[st.data_ptr() if st.data_ptr() else id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def _returns_alias(func: torch._ops.OpOverload) -> list[bool]:
+    """Per return of ``func``: does it alias an input (a view, an in-place or out= result)?"""
+    try:
+        return [r.alias_info is not None for r in func._schema.returns]
+    except AttributeError:  # not an OpOverload with a schema: treat outputs as fresh
+        return []
+
+
+class MemoryMeter(TorchDispatchMode):
+    """Measure live tensor bytes (storages allocated in the region) and their peak.
+
+    Args:
+        device_type: count only storages on this device type (``"cpu"``,
+            ``"cuda"``); ``None`` (default) counts every device.
+
+    Readings, in bytes: ``live_bytes``, ``peak_bytes``; on CUDA also
+    ``cuda_live_bytes`` and ``cuda_peak_bytes`` (allocator deltas since
+    ``__enter__``). ``mark(label)`` records a reading and restarts the peak, so a
+    region can be cut into phases.
+
+    Example::
+
+        with MemoryMeter() as meter:
+            loss = model(x).sum()
+            after_forward = meter.mark("forward")
+            loss.backward()
+        print(after_forward.live_bytes, meter.peak_bytes)
+    """
+
+    def __init__(self, *, device_type: str | None = None) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self._lock = threading.Lock()
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while alive
+        self._refs: dict[int, weakref.ref] = {}
+        self._live = 0
+        self._peak_since_mark = 0
+        self._overall_peak = 0
+        self.marks: list[MeterMark] = []
+        self._cuda_start: int | None = None
+
+    # -- readings ---------------------------------------------------------------
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of storages allocated in the region that are still alive."""
+        return self._live
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest ``live_bytes`` since ``__enter__``."""
+        return self._overall_peak
+
+    @property
+    def cuda_live_bytes(self) -> int | None:
+        """``torch.cuda.memory_allocated()`` delta since ``__enter__`` (None off CUDA)."""
+        if self._cuda_start is None:
+            return None
+        return torch.cuda.memory_allocated() - self._cuda_start
+
+    @property
+    def cuda_peak_bytes(self) -> int | None:
+        """``torch.cuda.max_memory_allocated()`` delta since ``__enter__`` (None off CUDA)."""
+        if self._cuda_start is None:
+            return None
+        return torch.cuda.max_memory_allocated() - self._cuda_start
+
+    def mark(self, label: str = "") -> MeterMark:
+        """Record the live figure and the peak since the last mark; restart that peak."""
+        with self._lock:
+            reading = MeterMark(label, self._live, self._peak_since_mark)
+            self._peak_since_mark = self._live
+        self.marks.append(reading)
+        return reading
+
+    def reset_peak(self) -> None:
+        """Restart the peak since the last mark at the current live figure."""
+        with self._lock:
+            self._peak_since_mark = self._live
+
+    # -- the mode ---------------------------------------------------------------
+    def __enter__(self) -> MemoryMeter:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._cuda_start = torch.cuda.memory_allocated()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._cuda_start is not None:
+            torch.cuda.synchronize()
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        aliases = _returns_alias(func)
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, value in enumerate(outputs):
+            aliased = aliases[i] if i < len(aliases) else False
+            for t in tree_flatten(value)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._track(t, aliased=aliased)
+        return out
+
+    def _track(self, t: torch.Tensor, *, aliased: bool) -> None:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return
+        if self.device_type is not None and t.device.type != self.device_type:
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        nbytes = st.nbytes()
+        with self._lock:
+            if key in self._sizes:
+                # Already counted; an in-place resize_ may have changed its size.
+                self._live += nbytes - self._sizes[key]
+                self._sizes[key] = nbytes
+            elif aliased:
+                return  # a view or in-place result of a storage from before the region
+            else:
+                self._sizes[key] = nbytes
+                self._refs[key] = weakref.ref(st, lambda _ref, k=key: self._release(k))
+                self._live += nbytes
+            if self._live > self._peak_since_mark:
+                self._peak_since_mark = self._live
+            if self._live > self._overall_peak:
+                self._overall_peak = self._live
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self._live -= self._sizes.pop(key, 0)
+            self._refs.pop(key, None)

@@ -1,0 +1,303 @@
+"""The measured profile the solver optimises over: plain, typed, torch-free data.
+
+The step is a sequence ``prefix, unit 0, ..., unit n-1, suffix``: the prefix is
+the code before the first unit (embeddings), the suffix the code after the last
+(head, loss). Every byte figure is a count of storages, so a tensor shared by two
+parts is one *boundary* counted once:
+
+* On a **chain**, unit i's output storage is unit i+1's input storage. It is held
+  after the forward pass when either side holds it (``OptionCost.holds_output`` of
+  unit i, ``holds_input`` of unit i+1). The ends are held when the prefix/suffix
+  holds them (``UnitProfile.input_held_outside`` / ``output_held_outside``).
+* Off a chain, code runs between units, so each unit's input and output are
+  boundaries of their own, held by the unit's option or by the outside code.
+
+``held_bytes`` figures never include boundary storages: those are counted by the
+rule above, which is what keeps adjacent units from being counted twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from remat.errors import ProfileError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Option",
+    "OptionCost",
+    "OutsideCost",
+    "Profile",
+    "UnitProfile",
+]
+
+SCHEMA_VERSION = 1
+
+
+class Option(str, Enum):
+    """What the runtime can do with a unit's activations."""
+
+    KEEP = "keep"  # hold what autograd saves (no checkpointing)
+    CHECKPOINT = "checkpoint"  # hold only the input; recompute the forward in backward
+    SELECTIVE = "selective"  # hold matmul/conv/attention outputs; recompute the rest
+    OFFLOAD = "offload"  # saved tensors to pinned CPU memory (CUDA only)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """What one option costs one unit, measured.
+
+    Attributes:
+        held_bytes: device bytes the unit holds from its forward to its backward,
+            boundary storages (its input's and output's) excluded.
+        holds_input: the option keeps the unit's input storage alive until its backward.
+        holds_output: the option keeps the unit's output storage alive until its backward.
+        fwd_peak_bytes: highest live bytes during the unit's forward, above the live
+            bytes at its start (its input is already live then; its output is not).
+        bwd_peak_bytes: highest live bytes during the unit's backward, recomputation
+            included, above the live bytes at its start (which include what the
+            unit holds and the gradient of its output).
+        extra_ms: time the option adds to a training step over ``keep``
+            (recomputation, copies that are not hidden), in milliseconds.
+    """
+
+    held_bytes: int
+    holds_input: bool
+    holds_output: bool
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    extra_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes"):
+            if getattr(self, name) < 0:
+                raise ProfileError(f"OptionCost.{name} must be >= 0, got {getattr(self, name)}")
+        if self.extra_ms < 0:
+            raise ProfileError(f"OptionCost.extra_ms must be >= 0, got {self.extra_ms}")
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    """One unit (a module that is a candidate for checkpointing), measured.
+
+    Attributes:
+        name: the module's qualified name in the model (``"transformer.h.3"``).
+        type_name: the module's class name.
+        fwd_ms, bwd_ms: median forward / backward time of the unit, in milliseconds.
+        input_bytes: bytes of its first input's storage (the activation it is fed).
+        output_bytes: bytes of its first output's storage.
+        input_grad_bytes: bytes of the gradient its backward produces for that
+            input (0 when the input does not require grad).
+        param_grad_bytes: bytes of parameter gradients first allocated in its backward.
+        input_held_outside / output_held_outside: code outside the units (the
+            prefix, the suffix, or code between units off a chain) holds that
+            storage until its own backward.
+        options: the measured cost of every option the runtime offers for this
+            unit; ``keep`` is always present.
+    """
+
+    name: str
+    type_name: str
+    fwd_ms: float
+    bwd_ms: float
+    input_bytes: int
+    output_bytes: int
+    input_grad_bytes: int
+    param_grad_bytes: int
+    options: Mapping[str, OptionCost]
+    input_held_outside: bool = False
+    output_held_outside: bool = False
+
+    def __post_init__(self) -> None:
+        if Option.KEEP.value not in self.options:
+            raise ProfileError(f"unit {self.name!r} has no 'keep' option cost")
+        unknown = set(self.options) - {o.value for o in Option}
+        if unknown:
+            raise ProfileError(
+                f"unit {self.name!r} has unknown options {sorted(unknown)}; "
+                f"valid: {[o.value for o in Option]}"
+            )
+
+    @property
+    def keep(self) -> OptionCost:
+        return self.options[Option.KEEP.value]
+
+    # The figures the issue names, derived from ``keep``.
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes autograd holds for this unit's backward when it is not checkpointed."""
+        return self.keep.held_bytes + self.saved_input_bytes + self.saved_output_bytes
+
+    @property
+    def saved_input_bytes(self) -> int:
+        return self.input_bytes if self.keep.holds_input else 0
+
+    @property
+    def saved_output_bytes(self) -> int:
+        return self.output_bytes if self.keep.holds_output else 0
+
+
+@dataclass(frozen=True)
+class OutsideCost:
+    """The code before the first unit (prefix) or after the last (suffix).
+
+    Attributes:
+        held_bytes: bytes it holds from its forward to its backward, boundary
+            storages excluded (for the suffix, the loss and outputs included).
+        fwd_peak_bytes: highest live bytes during its forward above its start.
+        bwd_peak_bytes: highest live bytes during its backward above its start.
+        param_grad_bytes: parameter-gradient bytes first allocated in its backward.
+        fwd_ms, bwd_ms: its forward / backward time, in milliseconds.
+    """
+
+    held_bytes: int = 0
+    fwd_peak_bytes: int = 0
+    bwd_peak_bytes: int = 0
+    param_grad_bytes: int = 0
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's measured training step, unit by unit.
+
+    Attributes:
+        units: the units in forward execution order.
+        is_chain: unit i+1's first input is unit i's first output and nothing
+            computes between them; only then may segments span several units.
+        prefix, suffix: the code outside the units.
+        param_bytes, buffer_bytes, optimizer_state_bytes: persistent bytes,
+            alive for the whole step.
+        optimizer_step_peak_bytes: peak of ``optimizer.step()`` above the bytes
+            alive when it starts (0 without an optimizer).
+        step_ms: median time of one ordinary training step without checkpointing.
+        measured_peak_bytes: measured peak of that step (``fixed_bytes`` included).
+        device, dtype: where and in what precision it was measured.
+        input_shapes: the sample batch's tensor shapes, by argument name.
+        meta: free-form notes (torch version, the meter used, ...).
+    """
+
+    units: tuple[UnitProfile, ...]
+    is_chain: bool
+    prefix: OutsideCost = field(default_factory=OutsideCost)
+    suffix: OutsideCost = field(default_factory=OutsideCost)
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    optimizer_step_peak_bytes: int = 0
+    step_ms: float = 0.0
+    measured_peak_bytes: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "units", tuple(self.units))
+        if not self.units:
+            raise ProfileError("a profile needs at least one unit")
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise ProfileError(f"unit names must be unique, got {names}")
+        if self.is_chain:
+            for a, b in zip(self.units, self.units[1:]):
+                if a.output_bytes != b.input_bytes:
+                    raise ProfileError(
+                        f"on a chain unit {a.name!r}'s output ({a.output_bytes} B) must be "
+                        f"unit {b.name!r}'s input ({b.input_bytes} B)"
+                    )
+
+    @property
+    def n(self) -> int:
+        return len(self.units)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes alive for the whole step: parameters, buffers, optimizer state."""
+        return self.param_bytes + self.buffer_bytes + self.optimizer_state_bytes
+
+    @property
+    def grad_bytes(self) -> int:
+        """All parameter-gradient bytes allocated by one backward pass."""
+        return (
+            self.prefix.param_grad_bytes
+            + self.suffix.param_grad_bytes
+            + sum(u.param_grad_bytes for u in self.units)
+        )
+
+    def available_options(self) -> tuple[str, ...]:
+        """Options offered by at least one unit, in :class:`Option` order."""
+        offered = {o for u in self.units for o in u.options}
+        return tuple(o.value for o in Option if o.value in offered)
+
+    def fingerprint(self) -> str:
+        """A hash of what a plan depends on: unit names and types, input shapes, device."""
+        key = {
+            "units": [[u.name, u.type_name] for u in self.units],
+            "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
+            "device": self.device.split(":")[0],
+        }
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+    # -- serialisation ------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["units"] = [
+            {**asdict(u), "options": {k: asdict(v) for k, v in u.options.items()}}
+            for u in self.units
+        ]
+        d["input_shapes"] = {k: list(v) for k, v in self.input_shapes.items()}
+        d["meta"] = dict(self.meta)
+        return {"schema_version": SCHEMA_VERSION, **d}
+
+    def to_json(self, path: str | None = None, *, indent: int = 1) -> str:
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Profile:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ProfileError(
+                f"profile schema_version {version!r} is not supported (this remat reads "
+                f"version {SCHEMA_VERSION}); profile the model again with this version"
+            )
+        d = dict(d)
+        d.pop("schema_version")
+        units = tuple(
+            UnitProfile(
+                **{
+                    **u,
+                    "options": {k: OptionCost(**v) for k, v in u["options"].items()},
+                }
+            )
+            for u in d.pop("units")
+        )
+        return cls(
+            units=units,
+            prefix=OutsideCost(**d.pop("prefix")),
+            suffix=OutsideCost(**d.pop("suffix")),
+            input_shapes={k: tuple(v) for k, v in d.pop("input_shapes").items()},
+            **d,
+        )
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> Profile:
+        """Read a profile from a JSON string or a path to a JSON file."""
+        text = text_or_path
+        if not text_or_path.lstrip().startswith("{"):
+            with open(text_or_path) as f:
+                text = f.read()
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,295 @@
+"""``simulate(profile, plan)``: the specification of a plan's peak memory and time.
+
+It replays one training step event by event -- prefix forward, each unit's
+forward, suffix forward, then the backward passes in reverse, then the optimizer
+step -- keeping a running count of live bytes above the fixed bytes (parameters,
+buffers, optimizer state). Every solver algorithm is tested against it; it is
+written to be read, not to be fast.
+
+The rules it encodes:
+
+* A unit's forward peaks at ``live + fwd_peak_bytes`` (its input is live). After
+  it, the unit holds ``held_bytes`` and its output becomes live.
+* A boundary storage (unit i's output = unit i+1's input on a chain) is counted
+  once, and stays alive while anyone holds it: the option of the unit on either
+  side (``holds_output`` / ``holds_input``), or the prefix/suffix. It is freed
+  when the last holder's backward is done, or at once when nobody holds it.
+* A unit in a multi-unit segment runs its forward like ``checkpoint`` but holds
+  nothing; only the segment's first input is held. At the backward of the
+  segment's last unit the whole segment is recomputed with its ``keep`` costs,
+  and its units then run their ``keep`` backward in reverse order, freeing the
+  recomputed activations as they go.
+* A unit's backward peaks at ``live + bwd_peak_bytes`` of its option. After it,
+  what the unit held is freed, its output's gradient is consumed, and its input's
+  gradient and its parameter gradients are live.
+* The step time is the measured step time plus every option's ``extra_ms``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat.errors import PlanMismatchError
+from remat.solver.plan import Plan
+from remat.solver.profile import Option, OptionCost, Profile
+
+__all__ = ["Simulation", "check_plan_fits_profile", "simulate"]
+
+_CKPT = Option.CHECKPOINT.value
+_KEEP = Option.KEEP.value
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The simulated step. Unpacks as ``peak_bytes, time_ms = simulate(profile, plan)``.
+
+    Attributes:
+        peak_bytes: predicted peak of the step, fixed bytes included.
+        time_ms: predicted step time, in milliseconds.
+        peak_event: the event at which the peak occurs (``"backward transformer.h.3"``).
+        held_after_forward_bytes: activation bytes alive when the forward pass ends
+            (above the fixed bytes).
+        events: ``(event, live bytes at its peak, fixed bytes included)`` in step order.
+    """
+
+    peak_bytes: int
+    time_ms: float
+    peak_event: str
+    held_after_forward_bytes: int
+    events: tuple[tuple[str, int], ...]
+
+    def __iter__(self):  # noqa: ANN204 - tuple-style unpacking
+        return iter((self.peak_bytes, self.time_ms))
+
+
+def check_plan_fits_profile(profile: Profile, plan: Plan) -> None:
+    """Raise :class:`PlanMismatchError` unless ``plan`` can run on ``profile``'s units."""
+    names = tuple(u.name for u in profile.units)
+    if plan.unit_names != names:
+        raise PlanMismatchError(
+            f"the plan's units {list(plan.unit_names)[:4]}... do not match the profile's "
+            f"units {list(names)[:4]}... ({plan.n} vs {len(names)} units); solve a plan for "
+            "this profile"
+        )
+    for unit, opt in zip(profile.units, plan.options):
+        if opt not in unit.options:
+            raise PlanMismatchError(
+                f"unit {unit.name!r} has no measured cost for option {opt!r}; its options "
+                f"are {sorted(unit.options)}"
+            )
+    if plan.segments and not profile.is_chain:
+        raise PlanMismatchError(
+            "multi-unit segments need a chain of units, and this profile's units are not one "
+            "(code runs between them); use per-unit options instead"
+        )
+
+
+class _Replay:
+    """Live-byte bookkeeping shared by the forward and backward halves of ``simulate``."""
+
+    def __init__(self, fixed_bytes: int) -> None:
+        self.fixed = fixed_bytes
+        self.live = 0
+        self.events: list[tuple[str, int]] = []
+        self.size: dict[str, int] = {}
+        self.holders: dict[str, set[str]] = {}
+
+    def event(self, label: str, transient_above_live: int = 0) -> None:
+        self.events.append((label, self.fixed + self.live + transient_above_live))
+
+    def allocate(self, nbytes: int) -> None:
+        self.live += nbytes
+
+    def free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    # Boundaries: storages shared by neighbours, alive while someone holds them.
+    def create_boundary(self, key: str, nbytes: int, holders: set[str]) -> None:
+        self.size[key] = nbytes
+        self.holders[key] = set(holders)
+        self.live += nbytes
+
+    def release_if_unheld(self, key: str) -> None:
+        if key in self.holders and not self.holders[key]:
+            self.live -= self.size[key]
+            del self.holders[key]
+
+    def drop_holder(self, key: str, holder: str) -> None:
+        if key in self.holders:
+            self.holders[key].discard(holder)
+            self.release_if_unheld(key)
+
+
+def _effective_cost(profile: Profile, plan: Plan, i: int) -> OptionCost:
+    """The cost a unit's forward pays under the plan (segment members hold nothing)."""
+    unit = profile.units[i]
+    seg = plan.segment_of(i)
+    if seg is None:
+        return unit.options[plan.options[i]]
+    ckpt = unit.options[_CKPT]
+    first = i == seg[0]
+    return OptionCost(
+        held_bytes=ckpt.held_bytes if first else 0,
+        holds_input=first,
+        holds_output=False,
+        fwd_peak_bytes=ckpt.fwd_peak_bytes,
+        bwd_peak_bytes=ckpt.bwd_peak_bytes,
+        extra_ms=ckpt.extra_ms,
+    )
+
+
+def simulate(profile: Profile, plan: Plan) -> Simulation:
+    """Predict the peak bytes and the time of one training step under ``plan``.
+
+    See the module docstring for the rules. Raises :class:`PlanMismatchError` when
+    the plan does not fit the profile.
+    """
+    check_plan_fits_profile(profile, plan)
+    units = profile.units
+    n = len(units)
+    cost = [_effective_cost(profile, plan, i) for i in range(n)]
+    chain = profile.is_chain
+    r = _Replay(profile.fixed_bytes)
+
+    # Boundary keys. On a chain "b{i}" is unit i's input and "b{i+1}" its output;
+    # off a chain every unit has its own "in{i}" and "out{i}".
+    def in_key(i: int) -> str:
+        return f"b{i}" if chain else f"in{i}"
+
+    def out_key(i: int) -> str:
+        return f"b{i + 1}" if chain else f"out{i}"
+
+    def in_holders(i: int) -> set[str]:
+        h = {f"u{i}"} if cost[i].holds_input else set()
+        if chain and i > 0:
+            if cost[i - 1].holds_output:
+                h.add(f"u{i - 1}")
+        elif units[i].input_held_outside:
+            h.add("outside-in" if not chain else "prefix")
+        return h
+
+    def out_holders(i: int) -> set[str]:
+        h = {f"u{i}"} if cost[i].holds_output else set()
+        if chain and i < n - 1:
+            if cost[i + 1].holds_input:
+                h.add(f"u{i + 1}")
+        elif units[i].output_held_outside:
+            h.add("outside-out" if not chain else "suffix")
+        return h
+
+    # ---- forward ------------------------------------------------------------------
+    r.event("forward prefix", profile.prefix.fwd_peak_bytes)
+    r.allocate(profile.prefix.held_bytes)
+    for i, unit in enumerate(units):
+        if not chain or i == 0:
+            r.create_boundary(in_key(i), unit.input_bytes, in_holders(i))
+        r.event(f"forward {unit.name}", cost[i].fwd_peak_bytes)
+        r.allocate(cost[i].held_bytes)
+        r.create_boundary(out_key(i), unit.output_bytes, out_holders(i))
+        r.release_if_unheld(in_key(i))
+        if not chain:
+            r.release_if_unheld(out_key(i))
+    r.event("forward suffix", profile.suffix.fwd_peak_bytes)
+    r.allocate(profile.suffix.held_bytes)
+    if chain:
+        r.release_if_unheld(out_key(n - 1))
+    held_after_forward = r.live
+    r.event("forward end")
+
+    # ---- backward -----------------------------------------------------------------
+    r.event("backward suffix", profile.suffix.bwd_peak_bytes)
+    r.free(profile.suffix.held_bytes)
+    r.allocate(profile.suffix.param_grad_bytes)
+    if chain:
+        r.drop_holder(out_key(n - 1), "suffix")
+        r.allocate(units[n - 1].output_bytes)  # the gradient of the last unit's output
+
+    i = n - 1
+    while i >= 0:
+        seg = plan.segment_of(i)
+        if seg is None:
+            _backward_unit(r, profile, i, cost[i], chain, in_key(i), out_key(i))
+            i -= 1
+        else:
+            _backward_segment(r, profile, seg, chain)
+            i = seg[0] - 1
+
+    r.event("backward prefix", profile.prefix.bwd_peak_bytes)
+    r.free(profile.prefix.held_bytes)
+    if chain:
+        r.drop_holder(in_key(0), "prefix")
+        r.free(units[0].input_grad_bytes)
+    r.allocate(profile.prefix.param_grad_bytes)
+    r.event("backward end")
+    r.event("optimizer step", profile.optimizer_step_peak_bytes)
+
+    label, peak = max(r.events, key=lambda e: e[1])
+    time_ms = profile.step_ms + sum(c.extra_ms for c in cost)
+    return Simulation(peak, time_ms, label, held_after_forward, tuple(r.events))
+
+
+def _grad_out_bytes(profile: Profile, i: int, chain: bool) -> int:
+    """Bytes of the gradient flowing into unit i's backward (its output's gradient)."""
+    units = profile.units
+    if chain and i < len(units) - 1:
+        return units[i + 1].input_grad_bytes
+    return units[i].output_bytes
+
+
+def _backward_unit(
+    r: _Replay, profile: Profile, i: int, cost: OptionCost, chain: bool, ik: str, ok: str
+) -> None:
+    unit = profile.units[i]
+    if not chain:
+        # Off a chain the code after the unit has run its backward: it produced the
+        # gradient of our output and released its own hold on the output storage.
+        r.drop_holder(ok, "outside-out")
+        r.allocate(unit.output_bytes)
+    r.event(f"backward {unit.name}", cost.bwd_peak_bytes)
+    r.free(cost.held_bytes)
+    r.drop_holder(ik, f"u{i}")
+    r.drop_holder(ok, f"u{i}")
+    r.free(_grad_out_bytes(profile, i, chain))
+    r.allocate(unit.input_grad_bytes + unit.param_grad_bytes)
+    if not chain:
+        # The code before the unit consumes the input gradient and its own hold ends.
+        r.free(unit.input_grad_bytes)
+        r.drop_holder(ik, "outside-in")
+
+
+def _backward_segment(r: _Replay, profile: Profile, seg: tuple[int, int], chain: bool) -> None:
+    """Recompute units a..b with their keep costs, then run their keep backwards."""
+    a, b = seg
+    units = profile.units
+    keep = [u.options[_KEEP] for u in units]
+
+    # Recomputation: fresh copies of the segment's inner activations ("r" keys).
+    def rkey(k: int) -> str:
+        return f"r{k}"
+
+    def recomputed_holders(k: int) -> set[str]:
+        """Holders of the recomputed boundary k (input of unit k, output of unit k-1)."""
+        h = set()
+        if k <= b and keep[k].holds_input:
+            h.add(f"u{k}")
+        if k - 1 >= a and keep[k - 1].holds_output:
+            h.add(f"u{k - 1}")
+        return h
+
+    for k in range(a, b + 1):
+        r.event(f"recompute {units[k].name}", keep[k].fwd_peak_bytes)
+        r.allocate(keep[k].held_bytes)
+        r.create_boundary(rkey(k + 1), units[k].output_bytes, recomputed_holders(k + 1))
+        if k > a:
+            r.release_if_unheld(rkey(k))
+    r.release_if_unheld(rkey(b + 1))  # the recomputed output, unless the unit saves it
+    for k in range(b, a - 1, -1):
+        r.event(f"backward {units[k].name}", keep[k].bwd_peak_bytes)
+        r.free(keep[k].held_bytes)
+        r.drop_holder(rkey(k + 1), f"u{k}")
+        if k > a:
+            r.drop_holder(rkey(k), f"u{k}")
+        r.free(_grad_out_bytes(profile, k, chain))
+        r.allocate(units[k].input_grad_bytes + units[k].param_grad_bytes)
+    # The segment's real input, held by its first unit, goes with it.
+    r.drop_holder(f"b{a}", f"u{a}")
