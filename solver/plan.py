@@ -12,8 +12,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from remat.errors import PlanMismatchError
 from remat.solver.profile import Option
+
+from remat.errors import PlanMismatchError
 
 __all__ = ["PLAN_SCHEMA_VERSION", "Plan", "Status"]
 
@@ -48,6 +49,7 @@ class Plan:
         fingerprint: ``Profile.fingerprint()`` of the profile it was solved for
             (``None`` for a manual plan, which is checked by unit names only).
         unit_types: the units' class names, for error messages and checks.
+        device: the device type the profile was measured on (``"cpu"``, ``"cuda"``).
     """
 
     unit_names: tuple[str, ...]
@@ -61,6 +63,7 @@ class Plan:
     predicted_time_ms: float | None = None
     fingerprint: str | None = None
     unit_types: tuple[str, ...] | None = None
+    device: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_names", tuple(self.unit_names))

@@ -248,6 +248,38 @@ class Profile:
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
+    def to_frame(self):  # -> pandas.DataFrame (imported lazily: pandas is slow to import)
+        """One row per unit: its measured times, bytes, and each option's costs."""
+        import pandas as pd
+
+        rows = []
+        for u in self.units:
+            row = {
+                "unit": u.name,
+                "type": u.type_name,
+                "fwd_ms": u.fwd_ms,
+                "bwd_ms": u.bwd_ms,
+                "input_bytes": u.input_bytes,
+                "output_bytes": u.output_bytes,
+                "saved_bytes": u.saved_bytes,
+                "saved_input_bytes": u.saved_input_bytes,
+                "saved_output_bytes": u.saved_output_bytes,
+                "fwd_transient_bytes": u.keep.fwd_peak_bytes,
+                "bwd_transient_bytes": u.keep.bwd_peak_bytes,
+                "param_grad_bytes": u.param_grad_bytes,
+            }
+            for name, c in u.options.items():
+                if name == Option.KEEP.value:
+                    continue
+                row[f"{name}_held_bytes"] = (
+                    c.held_bytes
+                    + (u.input_bytes if c.holds_input else 0)
+                    + (u.output_bytes if c.holds_output else 0)
+                )
+                row[f"{name}_extra_ms"] = c.extra_ms
+            rows.append(row)
+        return pd.DataFrame(rows)
+
     # -- serialisation ------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,0 +1,168 @@
+"""Run one module's forward under one option: keep, checkpoint, selective or offload.
+
+This is the single place where an option becomes torch machinery. The runtime
+calls it from the wrapped forwards of a planned model, and the profiler calls it
+to measure what each option costs, so what is measured is what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from remat.solver.profile import Option
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from remat.errors import RematError
+
+__all__ = [
+    "SELECTIVE_SAVE_OPS",
+    "checkpoint_context_fn",
+    "forward_with_option",
+    "frozen_batchnorm_stats",
+    "option_is_active",
+    "selective_policy",
+]
+
+_aten = torch.ops.aten
+
+# The ops whose outputs ``selective`` keeps: matmuls, convolutions and attention,
+# the expensive ones. Everything else (norms, activations, dropout, adds) is
+# recomputed, which is cheap in time and often large in memory.
+SELECTIVE_SAVE_OPS = frozenset(
+    op
+    for op in (
+        _aten.mm,
+        _aten.bmm,
+        _aten.addmm,
+        _aten.baddbmm,
+        _aten.convolution,
+        _aten._scaled_dot_product_flash_attention,
+        _aten._scaled_dot_product_efficient_attention,
+        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
+        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        _aten._flash_attention_forward,
+        _aten._efficient_attention_forward,
+    )
+    if op is not None
+)
+
+
+def selective_policy(ctx: Any, func: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+    """torch's selective-checkpoint policy: save matmul/conv/attention outputs, recompute the rest."""
+    if func.overloadpacket in SELECTIVE_SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _tracking_batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.training
+    ]
+
+
+@contextlib.contextmanager
+def frozen_batchnorm_stats(modules: list[nn.modules.batchnorm._BatchNorm]) -> Iterator[None]:
+    """Undo, on exit, whatever the block did to BatchNorm running statistics.
+
+    Recomputation runs BatchNorm's training forward a second time, which would
+    update the running mean/var and ``num_batches_tracked`` twice per step. The
+    op itself must run unchanged (it saves the running buffers for backward, and
+    checkpoint checks that recomputation saves the same tensors), so the
+    buffers are snapshotted and written back instead.
+    """
+    saved = [
+        [(buf, buf.detach().clone()) for buf in (m.running_mean, m.running_var,
+                                                 m.num_batches_tracked) if buf is not None]
+        for m in modules
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for pairs in saved:
+                for buf, value in pairs:
+                    buf.copy_(value)
+
+
+def checkpoint_context_fn(
+    modules: list[nn.Module], option: str
+) -> Callable[[], tuple[Any, Any]] | None:
+    """The ``context_fn`` for ``torch.utils.checkpoint`` under ``option`` (None: torch's default).
+
+    Composes the selective-checkpoint policy (for ``selective``) with frozen
+    BatchNorm statistics during recomputation (when the modules have BatchNorm).
+    """
+    bns = [bn for m in modules for bn in _tracking_batchnorms(m)]
+    selective = option == Option.SELECTIVE.value
+    if not bns and not selective:
+        return None
+
+    def context_fn() -> tuple[Any, Any]:
+        if selective:
+            fwd_ctx, recompute_ctx = create_selective_checkpoint_contexts(selective_policy)
+        else:
+            fwd_ctx, recompute_ctx = contextlib.nullcontext(), contextlib.nullcontext()
+        if not bns:
+            return fwd_ctx, recompute_ctx
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            with frozen_batchnorm_stats(bns), recompute_ctx:
+                yield
+
+        return fwd_ctx, recompute()
+
+    return context_fn
+
+
+def option_is_active(module: nn.Module, option: str) -> bool:
+    """Whether ``option`` does anything for this call.
+
+    Nothing is saved for backward under ``torch.no_grad()``, and in eval mode no
+    training step is running, so both run the plain forward at no cost.
+    """
+    return option != Option.KEEP.value and torch.is_grad_enabled() and module.training
+
+
+def forward_with_option(
+    module: nn.Module,
+    option: str,
+    forward: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Call ``forward(*args, **kwargs)`` (the module's own forward) under ``option``.
+
+    ``checkpoint`` and ``selective`` use non-reentrant ``torch.utils.checkpoint``,
+    which preserves the RNG state (dropout draws the same masks in recomputation)
+    and accepts keyword arguments, inputs without ``requires_grad`` and any output
+    structure. ``offload`` moves saved tensors to pinned CPU memory (CUDA only).
+    """
+    if not option_is_active(module, option):
+        return forward(*args, **kwargs)
+    if option in (Option.CHECKPOINT.value, Option.SELECTIVE.value):
+        context_fn = checkpoint_context_fn([module], option)
+        extra = {} if context_fn is None else {"context_fn": context_fn}
+        # kwargs go through a partial so they can never collide with checkpoint's own.
+        fn = functools.partial(forward, **kwargs) if kwargs else forward
+        return checkpoint(fn, *args, use_reentrant=False, **extra)
+    if option == Option.OFFLOAD.value:
+        if not torch.cuda.is_available():
+            raise RematError(
+                "option 'offload' moves saved tensors from a CUDA device to CPU memory and "
+                "needs CUDA; use 'checkpoint' or 'selective' on this machine"
+            )
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return forward(*args, **kwargs)
+    raise RematError(f"unknown option {option!r}; valid options: {[o.value for o in Option]}")
