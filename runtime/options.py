@@ -57,7 +57,7 @@ SELECTIVE_SAVE_OPS = frozenset(
 
 
 def selective_policy(ctx: Any, func: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
-    """torch's selective-checkpoint policy: save matmul/conv/attention outputs, recompute the rest."""
+    """Selective-checkpoint policy: save matmul/conv/attention outputs, recompute the rest."""
     if func.overloadpacket in SELECTIVE_SAVE_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
