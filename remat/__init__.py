@@ -1,26 +1,21 @@
 """remat: activation checkpointing for PyTorch, planned optimally for a memory budget."""
 
-from remat.errors import (
-    BudgetError,
-    InfeasibleBudgetError,
-    LossNotFoundError,
-    NoUnitsError,
-    PlanMismatchError,
-    ProfileError,
-    RematError,
-)
+from importlib import import_module
+
+from remat.errors import BudgetError, InfeasibleBudgetError, PlanMismatchError, RematError
 from remat.solver import Option, Plan, Profile, simulate
 
-__all__ = [
-    "BudgetError",
-    "InfeasibleBudgetError",
-    "LossNotFoundError",
-    "NoUnitsError",
-    "Option",
-    "Plan",
-    "PlanMismatchError",
-    "Profile",
-    "ProfileError",
-    "RematError",
-    "simulate",
-]
+# Loaded on first use, so that `import remat.solver` never imports torch.
+_LAZY = {
+    "profile": "remat.profiler", "measure": "remat.profiler",
+    "apply_plan": "remat.runtime", "remove_plan": "remat.runtime",
+    "solve": "remat.api", "pareto": "remat.api", "plot_pareto": "remat.plot",
+}
+__all__ = ["BudgetError", "InfeasibleBudgetError", "Option", "Plan", "PlanMismatchError",
+           "Profile", "RematError", "simulate", *_LAZY]
+
+
+def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'remat' has no attribute {name!r}")

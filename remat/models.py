@@ -416,6 +416,8 @@ def _build_hf_gpt2(cfg: HFConfig) -> ReferenceModel:
         resid_pdrop=cfg.dropout,
         embd_pdrop=cfg.dropout,
         attn_pdrop=cfg.dropout,
+        bos_token_id=cfg.vocab_size - 1,  # GPT-2's 50256 lies outside a small vocabulary
+        eos_token_id=cfg.vocab_size - 1,
         **cfg.extra,
     )
     model = tf.GPT2LMHeadModel(config)
@@ -489,7 +491,7 @@ _PRESETS: dict[str, tuple[type[ModelConfig], dict[str, dict[str, Any]]]] = {
         MLPConfig,
         {
             "tiny": {"depth": 6, "width": 64, "batch_size": 16},
-            "small": {"depth": 24, "width": 1024, "batch_size": 512},
+            "small": {"depth": 32, "width": 1024, "batch_size": 512},
         },
     ),
     "cnn": (
@@ -497,7 +499,7 @@ _PRESETS: dict[str, tuple[type[ModelConfig], dict[str, dict[str, Any]]]] = {
         {
             "tiny": {"widths": (8, 16), "blocks_per_stage": 1, "image_size": 8, "batch_size": 4},
             "small": {"widths": (32, 64, 128, 256), "blocks_per_stage": 2, "image_size": 32,
-                      "batch_size": 32},
+                      "batch_size": 96},
         },
     ),
     "gpt": (
@@ -505,7 +507,7 @@ _PRESETS: dict[str, tuple[type[ModelConfig], dict[str, dict[str, Any]]]] = {
         {
             "tiny": {"depth": 2, "width": 32, "heads": 2, "seq_len": 16, "batch_size": 2,
                      "vocab_size": 128},
-            "small": {"depth": 6, "width": 256, "heads": 4, "seq_len": 128, "batch_size": 8,
+            "small": {"depth": 6, "width": 256, "heads": 4, "seq_len": 128, "batch_size": 16,
                       "vocab_size": 2048},
         },
     ),
@@ -513,7 +515,7 @@ _PRESETS: dict[str, tuple[type[ModelConfig], dict[str, dict[str, Any]]]] = {
 _HF_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"depth": 2, "width": 32, "heads": 2, "seq_len": 16, "batch_size": 2,
              "vocab_size": 128},
-    "small": {"depth": 4, "width": 256, "heads": 4, "seq_len": 128, "batch_size": 8,
+    "small": {"depth": 6, "width": 256, "heads": 4, "seq_len": 128, "batch_size": 16,
               "vocab_size": 2048},
 }
 for _name in ("hf-gpt2", "hf-bert", "hf-llama"):

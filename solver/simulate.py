@@ -292,5 +292,7 @@ def _backward_segment(r: _Replay, profile: Profile, seg: tuple[int, int], chain:
             r.drop_holder(rkey(k), f"u{k}")
         r.free(_grad_out_bytes(profile, k, chain))
         r.allocate(units[k].input_grad_bytes + units[k].param_grad_bytes)
-    # The segment's real input, held by its first unit, goes with it.
+    # The segment's real input, held by its first unit, goes with it, and so does
+    # what the first unit held since its forward (its checkpoint ``held_bytes``).
+    r.free(units[a].options[_CKPT].held_bytes)
     r.drop_holder(f"b{a}", f"u{a}")

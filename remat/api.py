@@ -1,0 +1,168 @@
+"""What users call: ``solve`` (profile + optimise) and ``pareto`` (the trade-off curve).
+
+Budget semantics, everywhere in remat: a memory budget is the **peak of one
+training step on the device, everything included** -- parameters, buffers,
+gradients, optimizer state (when an optimizer is given), activations and
+temporaries. Strings such as ``"8GB"`` (SI), ``"7.5GiB"`` (binary) and ``"60%"``
+(of the step's peak without checkpointing) are accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from remat.errors import RematError
+from remat.solver.plan import Plan
+from remat.solver.profile import Profile
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from torch import nn
+
+__all__ = ["activation_budget", "pareto", "solve"]
+
+log = logging.getLogger("remat")
+
+
+def _as_profile(
+    model_or_profile: nn.Module | Profile,
+    sample_batch: Any,
+    *,
+    loss_fn: Callable[[Any, Any], Any] | None,
+    optimizer: Any,
+    units: Any,
+    options: Sequence[str] | None,
+) -> Profile:
+    if isinstance(model_or_profile, Profile):
+        return model_or_profile
+    if sample_batch is None:
+        raise RematError(
+            "solve() needs a sample batch to profile the model: remat.solve(model, sample_batch, "
+            "memory_budget=...), or pass a Profile: remat.solve(profile, memory_budget=...)"
+        )
+    from remat.profiler import profile
+
+    return profile(
+        model_or_profile,
+        sample_batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        units=units,
+        options=options,
+    )
+
+
+def solve(
+    model_or_profile: nn.Module | Profile,
+    sample_batch: Any = None,
+    memory_budget: int | str | None = None,
+    *,
+    method: str = "optimal",
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    optimizer: Any = None,
+    units: Any = None,
+    options: Sequence[str] | None = None,
+    **solver_params: Any,
+) -> Plan:
+    """Profile a model and solve for the fastest checkpointing plan that fits a budget.
+
+    Args:
+        model_or_profile: the ``nn.Module`` to plan for, or a :class:`Profile`
+            measured earlier (then ``sample_batch`` is not needed, and one
+            profile serves many budgets: ``remat.solve(profile, memory_budget="4GB")``).
+        sample_batch: a representative batch: a tensor, a tuple of positional
+            inputs, or a dict of keyword inputs (``model(**batch)``).
+        memory_budget: the peak of one training step, everything included
+            (parameters, gradients, optimizer state, activations, temporaries):
+            bytes as an int, or ``"8GB"``, ``"7.5GiB"``, ``"512MiB"``, ``"60%"``
+            (of the peak without checkpointing). ``None``: no limit.
+        method: ``"optimal"`` (default, exact dynamic programming), ``"dp"``,
+            ``"ilp"`` (CP-SAT), ``"chen"``, ``"chen-greedy"``, ``"uniform"``,
+            ``"all"`` (checkpoint every unit), ``"none"``.
+        loss_fn: ``loss_fn(output, batch) -> scalar``; default: ``output.loss``.
+        optimizer: when given, its state and ``step()`` count towards the peak.
+        units: which modules may be checkpointed (names, a class, or a
+            predicate ``(name, module) -> bool``); default: discovered blocks.
+        options: the options to consider (default: all the device offers).
+        **solver_params: passed to the algorithm (e.g. ``k`` for ``"uniform"``,
+            ``time_limit_s`` for ``"ilp"``).
+
+    Returns:
+        The :class:`Plan`, with its predicted peak and time.
+
+    Raises:
+        BudgetError: the budget cannot be parsed.
+        InfeasibleBudgetError: no plan fits; it carries the smallest feasible peak.
+    """
+    if isinstance(model_or_profile, Profile) and memory_budget is None and sample_batch is not None:
+        memory_budget, sample_batch = sample_batch, None  # remat.solve(profile, "8GB")
+    prof = _as_profile(
+        model_or_profile,
+        sample_batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        units=units,
+        options=options,
+    )
+    from remat.solver.solve import solve_profile
+
+    plan = solve_profile(prof, memory_budget, method=method, **solver_params)
+    log.info(
+        "remat: %s plan (%s), predicted peak %d B, step %.1f ms",
+        plan.algorithm,
+        plan.summary(),
+        plan.predicted_peak_bytes or 0,
+        plan.predicted_time_ms or 0.0,
+    )
+    return plan
+
+
+def pareto(
+    model_or_profile: nn.Module | Profile,
+    sample_batch: Any = None,
+    *,
+    points: int = 20,
+    method: str = "dp",
+    baselines: bool = True,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    optimizer: Any = None,
+    units: Any = None,
+    options: Sequence[str] | None = None,
+) -> pd.DataFrame:
+    """The optimal memory/time frontier, from the smallest feasible peak to no checkpointing.
+
+    Returns a DataFrame with one row per point: ``budget_bytes``, ``peak_bytes``,
+    ``time_ms``, ``overhead_pct`` (against no checkpointing), ``algorithm``,
+    ``plan`` (a summary) and ``kind`` (``"optimal"`` or ``"baseline"``); with
+    ``baselines=True`` it also holds the points of no checkpointing, every block,
+    uniform segments and Chen's sqrt(n).
+    """
+    prof = _as_profile(
+        model_or_profile,
+        sample_batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        units=units,
+        options=options,
+    )
+    from remat.solver.pareto import pareto_frontier
+
+    return pareto_frontier(prof, points=points, method=method, baselines=baselines)
+
+
+def activation_budget(profile: Profile, fraction: float) -> int:
+    """A budget that leaves ``fraction`` of the step's activation memory.
+
+    Activation memory is the no-checkpoint peak minus what no plan can remove
+    (parameters, buffers, optimizer state and gradients):
+    ``budget = persistent + fraction * (peak_without_checkpointing - persistent)``.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise RematError(f"fraction must be within [0, 1], got {fraction}")
+    from remat.solver.simulate import simulate
+
+    peak = simulate(profile, Plan.keep_all([u.name for u in profile.units])).peak_bytes
+    persistent = profile.fixed_bytes + profile.grad_bytes
+    return persistent + int(fraction * max(peak - persistent, 0))

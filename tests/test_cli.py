@@ -1,0 +1,61 @@
+"""The command line: `python -m remat` on a built-in model and on a user factory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from remat.cli import main
+
+
+def test_solve_prints_plan_and_measures(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    code = main(
+        ["solve", "--model", "mlp", "--size", "tiny", "--budget", "60%", "--measure",
+         "--out", str(out)]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "predicted peak" in text and "measured  peak" in text
+    assert json.loads(out.read_text())["unit_names"]
+
+
+def test_profile_then_pareto_from_saved_profile(capsys, tmp_path):
+    prof = tmp_path / "profile.json"
+    assert main(["profile", "--model", "gpt", "--size", "tiny", "--out", str(prof)]) == 0
+    png = tmp_path / "pareto.png"
+    assert main(["pareto", "--profile", str(prof), "--points", "5", "--out", str(png)]) == 0
+    assert png.stat().st_size > 0
+    assert "optimal" in capsys.readouterr().out
+
+
+def test_user_factory(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_factory.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "def make():\n"
+        "    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])\n"
+        "    return model, torch.randn(8, 32), lambda out, batch: out.square().mean()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["solve", "--model", "my_factory:make", "--budget", "90%"]) == 0
+    assert "predicted peak" in capsys.readouterr().out
+
+
+def test_errors_are_reported_not_raised(capsys):
+    assert main(["solve", "--model", "mlp", "--size", "tiny", "--budget", "lots"]) == 2
+    assert "remat: error:" in capsys.readouterr().err
+    assert main(["solve", "--model", "nosuchmodule:make", "--budget", "1GB"]) == 2
+
+
+@pytest.mark.slow
+def test_module_entry_point_runs():
+    result = subprocess.run(
+        [sys.executable, "-m", "remat", "--help"], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert "demo" in result.stdout
