@@ -86,7 +86,9 @@ class MemoryMeter(TorchDispatchMode):
     def __init__(self, *, device_type: str | None = None) -> None:
         super().__init__()
         self.device_type = device_type
-        self._lock = threading.Lock()
+        # Re-entrant: a weakref callback (``_release``) can fire inside a locked section
+        # when an allocation there triggers Python's cyclic GC on the same thread.
+        self._lock = threading.RLock()
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while alive
         self._refs: dict[int, weakref.ref] = {}
         self._live = 0
@@ -149,7 +151,10 @@ class MemoryMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
         aliases = _returns_alias(func)
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        if len(aliases) == 1:
+            outputs = (out,)  # one return, possibly a Tensor[] (split, chunk, unbind)
+        else:
+            outputs = out if isinstance(out, (tuple, list)) else (out,)
         for i, value in enumerate(outputs):
             aliased = aliases[i] if i < len(aliases) else False
             for t in tree_flatten(value)[0]:

@@ -102,9 +102,7 @@ class ReferenceModel:
 
 def param_count(model: nn.Module, *, trainable_only: bool = False) -> int:
     """Number of distinct parameters (tied weights counted once)."""
-    return sum(
-        p.numel() for p in model.parameters() if p.requires_grad or not trainable_only
-    )
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 # --------------------------------------------------------------------------- configs
@@ -396,8 +394,9 @@ def _causal_lm_batch(cfg: HFConfig) -> dict[str, Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}  # HF shifts the labels itself
 
 
-def _finish_hf(name: str, model: nn.Module, batch: dict[str, Tensor], cfg: HFConfig,
-               description: str) -> ReferenceModel:
+def _finish_hf(
+    name: str, model: nn.Module, batch: dict[str, Tensor], cfg: HFConfig, description: str
+) -> ReferenceModel:
     model.train()
     model, batch = _to(model, batch, cfg.device)
     return ReferenceModel(
@@ -424,7 +423,10 @@ def _build_hf_gpt2(cfg: HFConfig) -> ReferenceModel:
     if hasattr(model, "loss_type"):
         model.loss_type = "ForCausalLM"
     return _finish_hf(
-        "hf-gpt2", model, _causal_lm_batch(cfg), cfg,
+        "hf-gpt2",
+        model,
+        _causal_lm_batch(cfg),
+        cfg,
         f"transformers GPT2LMHeadModel: {cfg.depth} layers, d={cfg.width}, {cfg.heads} heads, "
         f"seq {cfg.seq_len}, batch {cfg.batch_size}, vocab {cfg.vocab_size}",
     )
@@ -456,7 +458,10 @@ def _build_hf_bert(cfg: HFConfig) -> ReferenceModel:
     attention_mask = torch.ones_like(ids)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     return _finish_hf(
-        "hf-bert", model, batch, cfg,
+        "hf-bert",
+        model,
+        batch,
+        cfg,
         f"transformers BertForMaskedLM: {cfg.depth} layers, d={cfg.width}, {cfg.heads} heads, "
         f"seq {cfg.seq_len}, batch {cfg.batch_size}, vocab {cfg.vocab_size}, 15% masked",
     )
@@ -479,7 +484,10 @@ def _build_hf_llama(cfg: HFConfig) -> ReferenceModel:
     if hasattr(model, "loss_type"):
         model.loss_type = "ForCausalLM"
     return _finish_hf(
-        "hf-llama", model, _causal_lm_batch(cfg), cfg,
+        "hf-llama",
+        model,
+        _causal_lm_batch(cfg),
+        cfg,
         f"transformers LlamaForCausalLM: {cfg.depth} layers, d={cfg.width}, {cfg.heads} heads, "
         f"seq {cfg.seq_len}, batch {cfg.batch_size}, vocab {cfg.vocab_size}",
     )
@@ -498,25 +506,53 @@ _PRESETS: dict[str, tuple[type[ModelConfig], dict[str, dict[str, Any]]]] = {
         CNNConfig,
         {
             "tiny": {"widths": (8, 16), "blocks_per_stage": 1, "image_size": 8, "batch_size": 4},
-            "small": {"widths": (32, 64, 128, 256), "blocks_per_stage": 2, "image_size": 32,
-                      "batch_size": 96},
+            "small": {
+                "widths": (32, 64, 128, 256),
+                "blocks_per_stage": 2,
+                "image_size": 32,
+                "batch_size": 96,
+            },
         },
     ),
     "gpt": (
         GPTConfig,
         {
-            "tiny": {"depth": 2, "width": 32, "heads": 2, "seq_len": 16, "batch_size": 2,
-                     "vocab_size": 128},
-            "small": {"depth": 6, "width": 256, "heads": 4, "seq_len": 128, "batch_size": 16,
-                      "vocab_size": 2048},
+            "tiny": {
+                "depth": 2,
+                "width": 32,
+                "heads": 2,
+                "seq_len": 16,
+                "batch_size": 2,
+                "vocab_size": 128,
+            },
+            "small": {
+                "depth": 6,
+                "width": 256,
+                "heads": 4,
+                "seq_len": 128,
+                "batch_size": 16,
+                "vocab_size": 2048,
+            },
         },
     ),
 }
 _HF_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"depth": 2, "width": 32, "heads": 2, "seq_len": 16, "batch_size": 2,
-             "vocab_size": 128},
-    "small": {"depth": 6, "width": 256, "heads": 4, "seq_len": 128, "batch_size": 16,
-              "vocab_size": 2048},
+    "tiny": {
+        "depth": 2,
+        "width": 32,
+        "heads": 2,
+        "seq_len": 16,
+        "batch_size": 2,
+        "vocab_size": 128,
+    },
+    "small": {
+        "depth": 6,
+        "width": 256,
+        "heads": 4,
+        "seq_len": 128,
+        "batch_size": 16,
+        "vocab_size": 2048,
+    },
 }
 for _name in ("hf-gpt2", "hf-bert", "hf-llama"):
     _PRESETS[_name] = (HFConfig, _HF_PRESETS)
@@ -595,7 +631,5 @@ def _to(model: nn.Module, batch: Any, device: str) -> tuple[nn.Module, Any]:
     """Move a model and a (nested) batch to ``device``."""
     if device == "cpu":
         return model, batch
-    moved = tree_map(
-        lambda t: t.to(device) if isinstance(t, Tensor) else t, batch
-    )
+    moved = tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, batch)
     return model.to(device), moved

@@ -1,0 +1,47 @@
+"""Shared, generic test helpers: a ``seed`` fixture and skips for optional hardware/packages.
+
+Markers:
+    ``gpu``: the test needs a CUDA device; skipped when ``torch.cuda.is_available()``
+        is false.
+    ``transformers``: the test needs the optional ``transformers`` package; skipped
+        when it is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+HAS_TRANSFORMERS: bool = importlib.util.find_spec("transformers") is not None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``transformers`` marker (``gpu`` is registered in pyproject.toml)."""
+    config.addinivalue_line(
+        "markers", "transformers: needs the optional transformers package (skipped without it)"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip ``gpu`` tests without CUDA and ``transformers`` tests without the package."""
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if item.get_closest_marker("transformers") is not None and not HAS_TRANSFORMERS:
+        pytest.skip("needs transformers (pip install transformers)")
+
+
+@pytest.fixture
+def seed() -> int:
+    """Seed Python's and torch's global RNGs with 0 and return the seed."""
+    random.seed(0)
+    torch.manual_seed(0)
+    return 0
+
+
+@pytest.fixture(scope="session")
+def has_transformers() -> bool:
+    """Whether the optional ``transformers`` package is installed."""
+    return HAS_TRANSFORMERS
