@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,8 +32,10 @@ __all__ = [
     "frozen_batchnorm_stats",
     "option_is_active",
     "selective_policy",
+    "without_kv_cache",
 ]
 
+logger = logging.getLogger(__name__)
 _aten = torch.ops.aten
 
 # The ops whose outputs ``selective`` keeps: matmuls, convolutions and attention,
@@ -103,10 +107,18 @@ def checkpoint_context_fn(
     Composes the selective-checkpoint policy (for ``selective``) with frozen
     BatchNorm statistics during recomputation (when the modules have BatchNorm).
     """
-    bns = [bn for m in modules for bn in _tracking_batchnorms(m)]
+    # Under torch.compile, recomputation comes from the compiled graph, which applies
+    # the running-statistics update once (in the forward); and a context_fn there
+    # must be a pair of dispatch modes, which the restoring context is not.
+    compiling = torch.compiler.is_compiling()
+    bns = [] if compiling else [bn for m in modules for bn in _tracking_batchnorms(m)]
     selective = option == Option.SELECTIVE.value
     if not bns and not selective:
         return None
+    if not bns:
+        # A partial of module-level functions (not a closure): torch.compile accepts
+        # only that as a checkpoint context_fn.
+        return functools.partial(create_selective_checkpoint_contexts, selective_policy)
 
     def context_fn() -> tuple[Any, Any]:
         if selective:
@@ -124,6 +136,47 @@ def checkpoint_context_fn(
         return fwd_ctx, recompute()
 
     return context_fn
+
+
+_warned_kv_cache = False
+
+
+def _is_kv_cache(value: Any) -> bool:
+    # Only a Hugging Face Cache object is recognised, and only when transformers
+    # is already imported (a model holding one has imported it).
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(value, cache_utils.Cache)
+
+
+def without_kv_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Drop Hugging Face KV caches from a call whose forward will be recomputed.
+
+    A layer writes its keys and values into the cache during the forward, so
+    recomputing it would write them a second time (the cache grows and later
+    reads see the wrong length). Hugging Face's own gradient checkpointing does
+    the same: ``use_cache=False`` and no cache object for checkpointed layers,
+    unless the layer declares ``_can_checkpoint_with_cache`` (it only reads).
+    Gradients are unchanged; the model's returned cache stays empty.
+    """
+    global _warned_kv_cache
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return args, kwargs
+    dropped = any(_is_kv_cache(v) for v in (*args, *kwargs.values()))
+    if dropped:
+        args = tuple(None if _is_kv_cache(a) else a for a in args)
+        kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs = {**kwargs, "use_cache": False}
+        dropped = True
+    if dropped and not _warned_kv_cache:
+        _warned_kv_cache = True
+        logger.warning(
+            "remat: the KV cache is incompatible with recomputation; checkpointed layers "
+            "run with use_cache=False (as with Hugging Face gradient checkpointing)"
+        )
+    return args, kwargs
 
 
 def option_is_active(module: nn.Module, option: str) -> bool:
@@ -152,6 +205,7 @@ def forward_with_option(
     if not option_is_active(module, option):
         return forward(*args, **kwargs)
     if option in (Option.CHECKPOINT.value, Option.SELECTIVE.value):
+        args, kwargs = without_kv_cache(module, args, kwargs)
         context_fn = checkpoint_context_fn([module], option)
         extra = {} if context_fn is None else {"context_fn": context_fn}
         # kwargs go through a partial so they can never collide with checkpoint's own.

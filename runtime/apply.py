@@ -1,0 +1,394 @@
+"""Apply a plan to a model, in place, so an ordinary training loop trains under it.
+
+Each unit's ``forward`` is replaced by a small callable (an instance attribute, so
+``module(...)`` still runs the module's hooks around it) that runs the original
+forward under the unit's option. What remat changed is recorded in one attribute,
+``model._remat_state``, so :func:`remove_plan` can undo it exactly. Parameters,
+buffers, ``state_dict`` and the module tree are never touched, and the model still
+pickles and deep-copies (a copy of a planned model is planned the same way).
+
+Example::
+
+    plan = Plan.checkpoint_all([f"transformer.h.{i}" for i in range(12)])
+    apply_plan(model, plan)
+    loss = model(**batch).loss
+    loss.backward()          # blocks are recomputed here
+    remove_plan(model)       # back to the original forwards
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+from remat.runtime.options import forward_with_option, option_is_active
+from remat.runtime.segments import SegmentRunner
+from remat.solver.plan import Plan
+from remat.solver.profile import Option
+from torch import nn
+
+from remat.errors import PlanMismatchError, RematError
+
+__all__ = ["apply_plan", "planned", "remove_plan"]
+
+logger = logging.getLogger(__name__)
+
+STATE_ATTR = "_remat_state"
+_OPTIONS = frozenset(o.value for o in Option)
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+# --------------------------------------------------------------------------- state
+class _RematState:
+    """Everything remat changed on one model: the plan, the units and their old forwards."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        modules: list[nn.Module],
+        saved_forwards: list[Callable[..., Any] | None],
+        runner: SegmentRunner | None,
+    ) -> None:
+        self.plan = plan
+        self.modules = modules
+        # The instance-level ``forward`` each unit had before (None: its class's forward).
+        self.saved_forwards = saved_forwards
+        self.runner = runner
+        self.guard_hook_id: int | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A model unpickled in a fresh process runs its segments eagerly there too.
+        self.__dict__.update(state)
+        if self.runner is not None:
+            _disable_compile_for_segments()
+
+    def original_forward(self, index: int) -> Callable[..., Any]:
+        """Unit ``index``'s forward as it was before the plan, bound to the module."""
+        saved = self.saved_forwards[index]
+        if saved is not None:
+            return saved
+        module = self.modules[index]
+        return type(module).forward.__get__(module, type(module))
+
+    def call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run unit ``index`` under its option (or as part of its segment)."""
+        module = self.modules[index]
+        option = self.plan.options[index]
+        runner = self.runner
+        if runner is not None:
+            if index in runner.segment_of and option_is_active(module, option):
+                return _eager_segment_call(self, index, args, kwargs)
+            if runner.is_open:  # anything that does not continue a segment ends it
+                _eager_segment_close(runner)
+        return forward_with_option(module, option, self.original_forward(index), args, kwargs)
+
+
+class _PlannedForward:
+    """A unit's replacement ``forward``: calls the original under the plan.
+
+    A plain class (not a closure) so that planned models pickle and deep-copy.
+    """
+
+    def __init__(self, state: _RematState, index: int) -> None:
+        self._remat_state = state
+        self._index = index
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        # ``inspect.signature(module.forward)`` sees the original signature
+        # (Hugging Face's Trainer reads it to pick the batch's columns).
+        return self._remat_state.original_forward(self._index)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._remat_state.call(self._index, args, kwargs)
+
+    def __repr__(self) -> str:
+        state = self._remat_state
+        return (
+            f"<remat forward of {state.plan.unit_names[self._index]!r}: "
+            f"{state.plan.options[self._index]}>"
+        )
+
+
+class _SegmentGuard:
+    """Forward hook on the model (``always_call``): a segment never outlives the forward.
+
+    A segment normally closes when its last unit returns. If the forward raises
+    between two units, or the model skips the segment's last unit, this closes it
+    when the model's forward ends, so no saved-tensor hooks are left pushed.
+    """
+
+    def __init__(self, runner: SegmentRunner) -> None:
+        self.runner = runner
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.runner.is_open:
+            _eager_segment_close(self.runner)
+
+
+# Segments drive torch's checkpoint generator and saved-tensor hooks across several
+# calls, which torch.compile cannot trace; these run eagerly (a graph break per
+# segment unit) and everything else is compiled as usual. Wrapped lazily: importing
+# torch._dynamo is slow and most plans have no segments.
+# The original forward is looked up on the eager side: a bound method handed across
+# the compile boundary is rebuilt by torch.compile as ``module.forward``, which is
+# the planned wrapper itself.
+def _segment_call(
+    state: _RematState, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    runner = cast(SegmentRunner, state.runner)  # only called for plans with segments
+    return runner.call(index, state.original_forward(index), args, kwargs)
+
+
+def _segment_close(runner: SegmentRunner) -> None:
+    runner.close()
+
+
+_eager_segment_call: Callable[..., Any] = _segment_call
+_eager_segment_close: Callable[[SegmentRunner], None] = _segment_close
+
+
+def _disable_compile_for_segments() -> None:
+    global _eager_segment_call, _eager_segment_close
+    if _eager_segment_call is _segment_call:
+        _eager_segment_call = torch.compiler.disable(_segment_call)
+        _eager_segment_close = torch.compiler.disable(_segment_close)
+
+
+# --------------------------------------------------------------------------- API
+def apply_plan(model: ModuleT, plan: Plan) -> ModuleT:
+    """Change ``model`` in place so that training runs under ``plan``; returns ``model``.
+
+    Each unit's forward runs under its option (``keep``, ``checkpoint``,
+    ``selective``, ``offload``), and each segment ``(a, b)`` is one recomputation
+    region from unit ``a``'s input to unit ``b``'s output. An ordinary training loop
+    needs no change: ``loss.backward()``, any optimizer, DDP, autocast and
+    ``torch.compile`` all work. Under ``torch.no_grad()`` or in eval mode nothing
+    is checkpointed: plain forwards, at no cost.
+
+    Applying a second plan **replaces** the first (it is removed, then the new one
+    applied). A model wrapped in ``DistributedDataParallel`` or ``torch.compile``
+    is unwrapped: the plan goes on the inner model. ``nn.DataParallel`` is not
+    supported (its replicas share the wrappers); use DistributedDataParallel.
+
+    Segments need the units to form a chain at run time: each unit takes the
+    previous unit's output (its first tensor) as an argument, and the model's code
+    between them saves nothing for backward. ``nn.Sequential`` and
+    ``for block in blocks: x = block(x, ...)`` loops (Hugging Face models included)
+    do; otherwise a ``RematError`` says which units break the chain.
+
+    Checkpointed units of Hugging Face models run with ``use_cache=False`` and no
+    KV cache in training, as with Hugging Face's own gradient checkpointing.
+
+    Args:
+        model: the model the plan was made for (same unit names and types).
+        plan: a solved plan, or a manual one (``Plan.checkpoint_all(names)``,
+            ``Plan.from_options(names, {...})``).
+
+    Raises:
+        PlanMismatchError: the plan does not fit the model (missing units, other
+            module types, another device, ``offload`` without CUDA...). The model
+            is left unchanged.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply_plan() needs a remat Plan, got {type(plan).__name__}")
+    target = _unwrap(model)
+    modules = _validate(target, plan)
+    if STATE_ATTR in target.__dict__:
+        logger.info("remat: replacing the plan already applied to %s", type(target).__name__)
+        remove_plan(target)
+    _warn_if_hf_checkpointing(plan, modules)
+
+    runner = None
+    if plan.segments:
+        _disable_compile_for_segments()
+        runner = SegmentRunner(plan.unit_names, modules, plan.segments)
+    saved = [m.__dict__.get("forward") for m in modules]
+    state = _RematState(plan, modules, saved, runner)
+    for i, module in enumerate(modules):
+        module.forward = _PlannedForward(state, i)
+    if runner is not None:
+        handle = target.register_forward_hook(_SegmentGuard(runner), always_call=True)
+        state.guard_hook_id = handle.id
+    target.__dict__[STATE_ATTR] = state
+    logger.debug("remat: applied plan (%s) to %s", plan.summary(), type(target).__name__)
+    return model
+
+
+def remove_plan(model: ModuleT) -> ModuleT:
+    """Restore the forwards ``apply_plan`` replaced; returns ``model``.
+
+    Afterwards the model behaves bitwise as if it had never been planned. Removing
+    from a model without a plan is a no-op.
+    """
+    target = _unwrap(model)
+    state = target.__dict__.get(STATE_ATTR)
+    if state is None:
+        return model
+    if state.runner is not None:
+        state.runner.close()
+    for i, module in enumerate(state.modules):
+        current = module.__dict__.get("forward")
+        if not (isinstance(current, _PlannedForward) and current._remat_state is state):
+            logger.warning(
+                "remat: the forward of unit %r was replaced after the plan was applied; "
+                "leaving that replacement in place",
+                state.plan.unit_names[i],
+            )
+            continue
+        if state.saved_forwards[i] is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = state.saved_forwards[i]
+    if state.guard_hook_id is not None:
+        target._forward_hooks.pop(state.guard_hook_id, None)
+        target._forward_hooks_always_called.pop(state.guard_hook_id, None)
+    del target.__dict__[STATE_ATTR]
+    return model
+
+
+def planned(model: nn.Module) -> Plan | None:
+    """The plan applied to ``model``, or ``None`` when it has none."""
+    state = _unwrap(model).__dict__.get(STATE_ATTR)
+    return None if state is None else state.plan
+
+
+# --------------------------------------------------------------------------- checks
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DistributedDataParallel / torch.compile wrappers."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    while True:
+        if isinstance(model, nn.DataParallel):
+            raise RematError(
+                "nn.DataParallel is not supported (its replicas would share the planned "
+                "forwards); use DistributedDataParallel, or apply the plan without it"
+            )
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), nn.Module
+        ):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _validate(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    """The plan's unit modules, after checking that the plan fits the model."""
+    modules = _find_units(model, plan)
+    _check_structure(plan, modules)
+    _check_types(plan, modules)
+    _check_options(plan)
+    _check_device(model, plan)
+    return modules
+
+
+def _find_units(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    found: dict[str, nn.Module] = {}
+    missing: list[str] = []
+    for name in plan.unit_names:
+        try:
+            found[name] = model.get_submodule(name)
+        except AttributeError:
+            missing.append(name)
+    if missing:
+        known = [n for n, _ in model.named_modules() if n]
+        hints = {n: difflib.get_close_matches(n, known, n=1) for n in missing[:3]}
+        hint_text = "; ".join(f"{n!r}: did you mean {h[0]!r}?" for n, h in hints.items() if h)
+        raise PlanMismatchError(
+            f"the plan does not fit this {type(model).__name__}: {len(missing)} of its "
+            f"{plan.n} units are not submodules of the model: {missing}"
+            + (f" ({hint_text})" if hint_text else "")
+            + ". A plan is made for one model; profile and solve again for this one "
+            "(remat.solve(...))"
+        )
+    return [found[n] for n in plan.unit_names]
+
+
+def _check_structure(plan: Plan, modules: list[nn.Module]) -> None:
+    names = plan.unit_names
+    if len(set(names)) != len(names):
+        dups = sorted({n for n in names if names.count(n) > 1})
+        raise PlanMismatchError(f"the plan lists units more than once: {dups}")
+    seen: dict[int, str] = {}
+    for name, module in zip(names, modules):
+        if id(module) in seen:
+            raise PlanMismatchError(
+                f"units {seen[id(module)]!r} and {name!r} are the same module; "
+                "a shared module can be one unit only"
+            )
+        seen[id(module)] = name
+    name_set = set(names)
+    for name in names:
+        parts = name.split(".") if name else []
+        ancestors = [".".join(parts[:k]) for k in range(len(parts))]
+        nested = [a for a in ancestors if a in name_set]
+        if nested:
+            raise PlanMismatchError(
+                f"unit {name!r} lies inside unit {nested[-1]!r}; units must not be nested"
+            )
+
+
+def _check_types(plan: Plan, modules: list[nn.Module]) -> None:
+    if plan.unit_types is None:
+        return
+    if len(plan.unit_types) != plan.n:
+        raise PlanMismatchError(
+            f"the plan has {plan.n} units but {len(plan.unit_types)} unit types"
+        )
+    wrong = [
+        f"{name!r} is a {type(m).__name__} in the model but a {expected} in the plan"
+        for name, m, expected in zip(plan.unit_names, modules, plan.unit_types)
+        if type(m).__name__ != expected
+    ]
+    if wrong:
+        raise PlanMismatchError(
+            f"the plan was made for another model: unit {'; '.join(wrong[:5])}"
+            + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else "")
+            + "; profile and solve again for this model (remat.solve(...))"
+        )
+
+
+def _check_options(plan: Plan) -> None:
+    bad = sorted({o for o in plan.options if o not in _OPTIONS})
+    if bad:
+        raise PlanMismatchError(f"unknown options {bad}; valid options: {sorted(_OPTIONS)}")
+    if Option.OFFLOAD.value in plan.options and not torch.cuda.is_available():
+        units = [n for n, o in zip(plan.unit_names, plan.options) if o == Option.OFFLOAD.value]
+        raise PlanMismatchError(
+            f"option 'offload' needs CUDA, which is not available here (units {units[:5]}); "
+            "solve again on this machine, or use 'checkpoint' / 'selective'"
+        )
+
+
+def _check_device(model: nn.Module, plan: Plan) -> None:
+    if plan.device is None:
+        return
+    expected = torch.device(plan.device).type
+    tensors = list(model.parameters()) or list(model.buffers())
+    found = sorted({t.device.type for t in tensors})
+    if found and found != [expected]:
+        raise PlanMismatchError(
+            f"the plan was measured on device '{expected}' but the model is on {found}; "
+            f"move the model (model.to('{expected}')) or profile and solve again on this device"
+        )
+
+
+def _warn_if_hf_checkpointing(plan: Plan, modules: list[nn.Module]) -> None:
+    doubled = [
+        name
+        for name, m, opt in zip(plan.unit_names, modules, plan.options)
+        if opt != Option.KEEP.value and getattr(m, "gradient_checkpointing", False) is True
+    ]
+    if doubled:
+        logger.warning(
+            "remat: Hugging Face gradient checkpointing is also on for %d units (%s...); "
+            "they would be recomputed twice. Call model.gradient_checkpointing_disable()",
+            len(doubled),
+            doubled[0],
+        )

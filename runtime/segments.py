@@ -1,0 +1,373 @@
+"""Multi-unit checkpoint segments: one recomputation region across several unit calls.
+
+A segment ``(a, b)`` of a plan holds only unit ``a``'s input and recomputes units
+``a..b`` together in the backward pass. The units are called one at a time by the
+model's own code (``nn.Sequential``, or a ``for block in self.blocks`` loop in a
+Hugging Face model), so the region cannot be one function call the way
+``torch.utils.checkpoint.checkpoint(fn, x)`` wants it. Instead torch's
+non-reentrant checkpoint *generator* is entered when the segment's first unit
+starts and closed when its last unit returns; the units in between run their
+ordinary forwards inside it, so everything they save for backward goes to the
+checkpoint's hooks. In backward, the recompute function replays the recorded unit
+calls from the restored input, chaining each unit's first tensor output into the
+next unit, with the other arguments each call had.
+
+That replay is only correct when the units really form a chain, which is checked
+while the forward runs:
+
+* one of unit ``k+1``'s top-level arguments must *be* (``is``) unit ``k``'s first
+  tensor output, and
+* the model's code between two units of a segment must not save tensors for
+  backward (those saves would land in the region but would not be replayed).
+
+Either violation raises :class:`~remat.errors.RematError`, and the region is
+closed so no saved-tensor hooks are left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from remat.runtime.options import checkpoint_context_fn, without_kv_cache
+from torch import nn
+from torch.utils import checkpoint as _ckpt
+
+from remat.errors import RematError
+
+__all__ = ["SegmentRunner", "first_tensor"]
+
+logger = logging.getLogger(__name__)
+
+_CHECKPOINT = "checkpoint"
+# Older torch releases have no ``early_stop`` parameter in the generator.
+_GENERATOR_HAS_EARLY_STOP = (
+    "early_stop" in inspect.signature(_ckpt._checkpoint_without_reentrant_generator).parameters
+)
+
+Slot = int | str  # where a call's chained tensor sits: a positional index or a keyword
+
+
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in a unit's output: itself, or the first one in a tuple, list,
+    dict (Hugging Face ``ModelOutput`` is one) or dataclass, searched depth first."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        items: Sequence[Any] = list(value.values())
+    elif isinstance(value, (tuple, list)):
+        items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    else:
+        return None
+    for item in items:
+        found = first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _first_tensor_argument(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Slot, torch.Tensor] | None:
+    """Where a call's first top-level tensor argument is (positional first, then keywords)."""
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            return i, arg
+    for key, arg in kwargs.items():
+        if isinstance(arg, torch.Tensor):
+            return key, arg
+    return None
+
+
+@dataclasses.dataclass
+class _UnitCall:
+    """One recorded unit call of a segment, minus its chained tensor.
+
+    The chained tensor is left out on purpose: holding it would keep every
+    intermediate activation of the segment alive, which is what the segment is
+    there to avoid. Replay puts the recomputed tensor back at ``slot``.
+    """
+
+    forward: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    slot: Slot
+    # RNG states at the call's start, restored before replaying it so that dropout
+    # draws the same masks even if the model's code drew random numbers between
+    # units (LayerDrop). None for the segment's first call: the generator restores it.
+    rng: tuple[torch.Tensor, list[int], list[torch.Tensor]] | None = None
+
+    def call(self, x: torch.Tensor) -> Any:
+        if isinstance(self.slot, int):
+            args = self.args[: self.slot] + (x,) + self.args[self.slot + 1 :]
+            return self.forward(*args, **self.kwargs)
+        return self.forward(*self.args, **{**self.kwargs, self.slot: x})
+
+
+class _Replay:
+    """The segment's recompute function: ``fn`` of the checkpoint generator.
+
+    It references the recorded calls only (never the generator), so closing the
+    generator leaves no reference cycle holding the segment's input alive.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[_UnitCall] = []
+
+    def __call__(self, x: torch.Tensor) -> None:
+        for call in self.calls:
+            if call.rng is not None:
+                cpu_state, devices, device_states = call.rng
+                torch.set_rng_state(cpu_state)
+                if devices:
+                    _ckpt.set_device_states(devices, device_states)
+            out = call.call(x)
+            nxt = first_tensor(out)
+            if nxt is None:  # only the last call may return no tensor
+                return
+            x = nxt
+
+
+class _OpenSegment:
+    """A segment whose checkpoint region is currently entered (during one forward)."""
+
+    def __init__(
+        self,
+        bounds: tuple[int, int],
+        names: Sequence[str],
+        modules: list[nn.Module],
+        first_input: torch.Tensor,
+    ) -> None:
+        self.bounds = bounds
+        self.names = names
+        self.last_index: int | None = None
+        self.replay = _Replay()
+        self._last_output: torch.Tensor | None = None
+        self._between: torch.autograd.graph.saved_tensors_hooks | None = None
+        # BatchNorm statistics are restored after recomputation, for every module of
+        # the segment, so they update once per step.
+        context_fn = checkpoint_context_fn(modules, _CHECKPOINT) or _ckpt.noop_context_fn
+        # The generator's parameters (fn, preserve_rng_state, context_fn,
+        # determinism_check, debug[, early_stop]) come before its *args, so they are
+        # passed by position; ``first_input`` is then the one input it saves.
+        params: tuple[Any, ...] = (self.replay, True, context_fn, "default", False)
+        if _GENERATOR_HAS_EARLY_STOP:
+            params += (True,)
+        self._gen = _ckpt._checkpoint_without_reentrant_generator(*params, first_input)
+        next(self._gen)  # saves the input and pushes the checkpoint's saved-tensor hooks
+
+    # -- running units --------------------------------------------------------------
+    def continues_with(self, index: int) -> bool:
+        """Whether a call of unit ``index`` continues this segment (rather than ends it)."""
+        a, b = self.bounds
+        return a <= index <= b and (self.last_index is None or index > self.last_index)
+
+    def chain_slot(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Slot:
+        """Where unit ``index``'s call takes the previous unit's output.
+
+        Raises (after closing the region) when no argument *is* that output.
+        """
+        for slot, arg in (*enumerate(args), *kwargs.items()):
+            if arg is self._last_output:
+                return slot
+        a, b = self.bounds
+        prev, name = self.names[self.last_index or 0], self.names[index]
+        error = RematError(
+            f"units '{prev}' and '{name}' of segment {a}-{b} are not a chain: no argument of "
+            f"'{name}' is the output of '{prev}' (the model's code changes it between the "
+            "two calls), so segments cannot be used for these units; use a plan without "
+            "this segment (e.g. option 'checkpoint' for each unit)"
+        )
+        self.abort(error)
+        raise error
+
+    def run(
+        self,
+        index: int,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        slot: Slot,
+    ) -> Any:
+        """Run unit ``index``'s forward inside the region and record the call for replay."""
+        self._pop_between()
+        self._last_output = None
+        rng = None
+        if self.last_index is not None:
+            x = args[slot] if isinstance(slot, int) else kwargs[slot]
+            devices, states = _ckpt.get_device_states(x)
+            rng = (torch.get_rng_state(), devices, states)
+        recorded_args = args
+        recorded_kwargs = kwargs
+        if isinstance(slot, int):
+            recorded_args = args[:slot] + (None,) + args[slot + 1 :]
+        else:
+            recorded_kwargs = {**kwargs, slot: None}
+        self.replay.calls.append(_UnitCall(forward, recorded_args, recorded_kwargs, slot, rng))
+        self.last_index = index
+        try:
+            output = forward(*args, **kwargs)
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        return output
+
+    def unit_returned(self, index: int, output: Any) -> bool:
+        """Note unit ``index``'s output; close the region after the last unit.
+
+        Returns whether the segment is finished.
+        """
+        a, b = self.bounds
+        if index == b:
+            self.close()
+            return True
+        out = first_tensor(output)
+        if out is None:
+            error = RematError(
+                f"unit '{self.names[index]}' of segment {a}-{b} returned no tensor, so it "
+                "cannot be chained into the next unit; segments cannot be used for it"
+            )
+            self.abort(error)
+            raise error
+        self._last_output = out
+        self._push_between(index)
+        return False
+
+    # -- closing --------------------------------------------------------------------
+    def close(self) -> None:
+        """End the region normally: what ran so far is what backward will recompute."""
+        self._pop_between()
+        self._last_output = None
+        gen, self._gen = self._gen, None
+        if gen is None:
+            return
+        try:
+            next(gen)
+        except StopIteration:
+            return
+        raise RematError("torch's checkpoint generator yielded more than twice")
+
+    def abort(self, exc: BaseException) -> None:
+        """End the region because the forward failed; never raises ``exc`` itself."""
+        self._pop_between()
+        self._last_output = None
+        gen, self._gen = self._gen, None
+        if gen is None:
+            return
+        try:
+            gen.throw(exc)
+        except StopIteration:
+            logger.warning("remat: a checkpoint context suppressed %r", exc)
+        except BaseException as raised:  # the generator re-raises what it is given
+            if raised is not exc:
+                logger.warning("remat: closing a segment after %r raised %r", exc, raised)
+
+    # -- between two units of the segment ---------------------------------------------
+    def _push_between(self, index: int) -> None:
+        a, b = self.bounds
+        prev = self.names[index]
+
+        def refuse(tensor: torch.Tensor) -> Any:
+            raise RematError(
+                f"the model's code after unit '{prev}' of segment {a}-{b} saved a tensor for "
+                "backward before the next unit of the segment ran; the units of a segment "
+                "must be called back to back as a chain, so segments cannot be used here "
+                "(use a plan without this segment, e.g. option 'checkpoint' for each unit)"
+            )
+
+        self._between = torch.autograd.graph.saved_tensors_hooks(refuse, _identity)
+        self._between.__enter__()
+
+    def _pop_between(self) -> None:
+        between, self._between = self._between, None
+        if between is not None:
+            between.__exit__(None, None, None)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class SegmentRunner:
+    """Runs the segment units of one planned model; at most one segment is open at a time.
+
+    Picklable and deep-copyable with the model (the open region, which only
+    exists during a forward, is not copied).
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        modules: Sequence[nn.Module],
+        segments: Sequence[tuple[int, int]],
+    ) -> None:
+        self.names = tuple(names)
+        self.modules = list(modules)
+        self.segment_of: dict[int, tuple[int, int]] = {
+            i: (a, b) for a, b in segments for i in range(a, b + 1)
+        }
+        self._open: _OpenSegment | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_open"] = None
+        return state
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None
+
+    def close(self) -> None:
+        """Close the open segment, if any (the forward ended, or something else runs now)."""
+        seg, self._open = self._open, None
+        if seg is not None:
+            logger.debug("remat: segment %s closed after unit %s", seg.bounds, seg.last_index)
+            seg.close()
+
+    def call(
+        self,
+        index: int,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run unit ``index`` (a member of a segment) while the segment is active."""
+        a, b = bounds = self.segment_of[index]
+        module = self.modules[index]
+        args, kwargs = without_kv_cache(module, args, kwargs)
+        seg = self._open
+        if seg is not None and not (seg.bounds == bounds and seg.continues_with(index)):
+            self.close()
+            seg = None
+        if seg is not None:
+            try:
+                slot = seg.chain_slot(index, args, kwargs)
+            except RematError:
+                self._open = None
+                raise
+        else:
+            located = _first_tensor_argument(args, kwargs)
+            if located is None:
+                raise RematError(
+                    f"unit '{self.names[index]}' starts segment {a}-{b} but was called "
+                    "without a tensor argument to hold and recompute from; segments cannot "
+                    "be used here"
+                )
+            slot, first_input = located
+            seg = self._open = _OpenSegment(bounds, self.names, self.modules[a : b + 1],
+                                            first_input)
+        try:
+            output = seg.run(index, forward, args, kwargs, slot)
+            finished = seg.unit_returned(index, output)
+        except BaseException:
+            self._open = None
+            raise
+        if finished:
+            self._open = None
+        return output
