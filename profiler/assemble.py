@@ -1,0 +1,186 @@
+"""Turning the profiler's measurements into a :class:`Profile`.
+
+Unit figures come from the isolated replays (:mod:`.replay`), everything outside
+the units and the boundary storages from the instrumented baseline step
+(:mod:`.instrument`), times from un-metered runs.
+
+Times of the prefix and suffix are *derived*: the plain step's forward (backward)
+time minus the units' isolated forward (backward) times, clipped at 0 and split
+between prefix and suffix in the proportions the instrumented step showed (code
+between units, off a chain, counts as prefix). They are informational:
+``simulate()`` uses only ``step_ms`` and the options' ``extra_ms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from remat.profiler.capture import ChainCheck
+from remat.profiler.instrument import BaselineStep
+from remat.profiler.replay import OptionFigures, UnitTiming
+from remat.profiler.step import StepTimes
+from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
+from torch import nn
+
+__all__ = ["Measurements", "build_profile", "input_shapes", "model_dtype"]
+
+_KEEP = Option.KEEP.value
+
+
+@dataclass
+class Measurements:
+    """Everything :func:`profile` measured, before it becomes a :class:`Profile`."""
+
+    units: list[tuple[str, nn.Module]]  # execution order
+    chain: ChainCheck
+    base: BaselineStep
+    figures: dict[str, dict[str, OptionFigures]]
+    timings: dict[str, UnitTiming]
+    step: StepTimes
+    fixed_bytes: int
+    param_bytes: int
+    buffer_bytes: int
+    optimizer_state_bytes: int = 0
+    optimizer_step_peak_bytes: int = 0
+
+
+def input_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a batch by argument name (``"arg0"``... for positional ones)."""
+    if isinstance(batch, torch.Tensor):
+        return {"arg0": tuple(batch.shape)}
+    if isinstance(batch, Mapping):
+        return {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    if isinstance(batch, (tuple, list)):
+        return {f"arg{i}": tuple(v.shape) for i, v in enumerate(batch)
+                if isinstance(v, torch.Tensor)}
+    return {}
+
+
+def model_dtype(model: nn.Module) -> str:
+    """The dtype of the first floating-point parameter (``"float32"``, ``"bfloat16"``...)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def _split(total: float, parts: Mapping[str, float]) -> dict[str, float]:
+    """``total`` (clipped at 0) shared in proportion to ``parts`` (equally when all are 0)."""
+    total = max(total, 0.0)
+    weight = sum(parts.values())
+    if weight <= 0:
+        return {k: total / len(parts) for k in parts}
+    return {k: total * v / weight for k, v in parts.items()}
+
+
+def _dedupe_shared_boundaries(base: BaselineStep, holds_input: list[bool], is_chain: bool) -> None:
+    """Off a chain, a unit's input can be the previous unit's output storage (a view ran
+    between them): count it once, as that output, held from outside while the next unit
+    (or outside code) holds it."""
+    if is_chain:
+        return
+    for i in range(1, base.n):
+        if base.input_is_prev_output[i]:
+            base.input_bytes[i] = 0
+            base.output_held_outside[i - 1] |= holds_input[i] or base.input_held_outside[i]
+
+
+def _unit_profile(
+    name: str,
+    module: nn.Module,
+    i: int,
+    base: BaselineStep,
+    figures: dict[str, OptionFigures],
+    timing: UnitTiming,
+) -> UnitProfile:
+    keep_ms = timing.total_ms[_KEEP]
+    costs = {
+        o: OptionCost(
+            held_bytes=f.held_bytes,
+            holds_input=f.holds_input,
+            holds_output=f.holds_output,
+            fwd_peak_bytes=f.fwd_peak_bytes,
+            bwd_peak_bytes=f.bwd_peak_bytes,
+            extra_ms=0.0 if o == _KEEP else max(timing.total_ms[o] - keep_ms, 0.0),
+        )
+        for o, f in figures.items()
+    }
+    return UnitProfile(
+        name=name,
+        type_name=type(module).__name__,
+        fwd_ms=timing.fwd_ms[_KEEP],
+        bwd_ms=timing.bwd_ms[_KEEP],
+        input_bytes=base.input_bytes[i],
+        output_bytes=base.output_bytes[i],
+        input_grad_bytes=figures[_KEEP].input_grad_bytes,
+        param_grad_bytes=base.unit_param_grad[i],
+        options=costs,
+        input_held_outside=base.input_held_outside[i],
+        output_held_outside=base.output_held_outside[i],
+    )
+
+
+def build_profile(
+    m: Measurements,
+    *,
+    device: torch.device,
+    dtype: str,
+    shapes: Mapping[str, tuple[int, ...]],
+    meta: Mapping[str, Any],
+) -> Profile:
+    """The :class:`Profile` of measurements ``m`` (see the module docstring for times)."""
+    base = m.base
+    _dedupe_shared_boundaries(
+        base, [m.figures[n][_KEEP].holds_input for n, _ in m.units], m.chain.is_chain
+    )
+    units = [
+        _unit_profile(name, module, i, base, m.figures[name], m.timings[name])
+        for i, (name, module) in enumerate(m.units)
+    ]
+    fwd_ms = _split(m.step.forward_ms - sum(u.fwd_ms for u in units), {
+        "prefix": base.phase_ms["prefix_fwd"] + base.phase_ms["between_fwd"],
+        "suffix": base.phase_ms["suffix_fwd"],
+    })
+    bwd_ms = _split(m.step.backward_ms - sum(u.bwd_ms for u in units), {
+        "prefix": base.phase_ms["prefix_bwd"],
+        "suffix": base.phase_ms["suffix_bwd"],
+    })
+    return Profile(
+        units=tuple(units),
+        is_chain=m.chain.is_chain,
+        prefix=OutsideCost(
+            held_bytes=base.prefix_held,
+            fwd_peak_bytes=max(base.prefix_fwd_peak, 0),
+            bwd_peak_bytes=max(base.prefix_bwd_peak, 0),
+            param_grad_bytes=base.prefix_param_grad,
+            fwd_ms=fwd_ms["prefix"],
+            bwd_ms=bwd_ms["prefix"],
+        ),
+        suffix=OutsideCost(
+            held_bytes=base.suffix_held,
+            fwd_peak_bytes=max(base.suffix_fwd_peak, 0),
+            bwd_peak_bytes=max(base.suffix_bwd_peak, 0),
+            param_grad_bytes=base.suffix_param_grad,
+            fwd_ms=fwd_ms["suffix"],
+            bwd_ms=bwd_ms["suffix"],
+        ),
+        param_bytes=m.param_bytes,
+        buffer_bytes=m.buffer_bytes,
+        optimizer_state_bytes=m.optimizer_state_bytes,
+        optimizer_step_peak_bytes=m.optimizer_step_peak_bytes,
+        step_ms=m.step.step_ms,
+        measured_peak_bytes=m.fixed_bytes + base.peak_bytes,
+        device=str(device),
+        dtype=dtype,
+        input_shapes=dict(shapes),
+        meta={
+            **meta,
+            "held_after_forward_bytes": base.held_after_forward_bytes,
+            "forward_transient_bytes": base.forward_transient_bytes,
+            "outside_ms": "derived",
+            "chain_breaks": list(m.chain.breaks),
+        },
+    )

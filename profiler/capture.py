@@ -1,0 +1,233 @@
+"""The capture pass: one forward pass that records how the units run.
+
+It records, without the memory meter:
+
+* the units' execution order, and that each runs exactly once;
+* each unit's inputs (detached, so the graph is not kept), the RNG state it saw,
+  and the shape of its first output, for the isolated replays;
+* whether the units form a **chain**: unit i+1's first tensor input *is* unit i's
+  first tensor output, and no aten op runs between the two (counted by a small
+  ``TorchDispatchMode`` that only counts while no unit is running).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from remat.profiler.state import RngState
+from remat.profiler.tensors import first_tensor_input, first_tensor_output, is_hf_cache
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.errors import ProfileError
+
+__all__ = ["Captured", "ChainCheck", "UnitCall", "UnitTrace", "check_chain", "trace_units"]
+
+log = logging.getLogger("remat")
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A unit's input tensor, detached from the graph, and whether it required grad."""
+
+    tensor: torch.Tensor
+    requires_grad: bool
+
+    def fresh(self) -> torch.Tensor:
+        """A new leaf on the same storage, requiring grad as the original did."""
+        return self.tensor.detach().requires_grad_(self.requires_grad)
+
+
+@dataclass
+class UnitCall:
+    """How one unit was called in the capture pass."""
+
+    name: str
+    module: nn.Module
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    rng: RngState | None = None
+    out_shape: tuple[int, ...] | None = None
+    out_dtype: torch.dtype | None = None
+    out_device: torch.device | None = None
+    out_requires_grad: bool = False
+    calls: int = 0
+
+    @property
+    def first_input(self) -> Captured | None:
+        for leaf in tree_flatten((self.args, self.kwargs))[0]:
+            if isinstance(leaf, Captured):
+                return leaf
+        return None
+
+    def inputs(self, first: torch.Tensor | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Fresh ``(args, kwargs)`` for a replay: ``first`` as the first tensor input,
+        new leaves (requiring grad as in the model) for the other tensors."""
+        leaves, spec = tree_flatten((self.args, self.kwargs))
+        replaced_first = False
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, Captured):
+                leaves[i] = leaf.fresh() if replaced_first else first
+                replaced_first = True
+        args, kwargs = tree_unflatten(leaves, spec)
+        return tuple(args), dict(kwargs)
+
+    def release(self) -> None:
+        """Drop the captured inputs (their memory) once the unit is measured."""
+        self.args, self.kwargs = (), {}
+
+
+@dataclass(frozen=True)
+class ChainCheck:
+    """Whether the units form a chain, and if not, why (one line per break)."""
+
+    is_chain: bool
+    breaks: tuple[str, ...] = ()
+
+
+@dataclass
+class UnitTrace:
+    """What the capture pass learned: execution order, calls, chain check."""
+
+    order: list[str]
+    calls: dict[str, UnitCall]
+    chain: ChainCheck
+
+
+def _capture(value: Any) -> Any:
+    """Detach every tensor (keeping storage, not graph); drop Hugging Face caches."""
+    if is_hf_cache(value):
+        # A KV cache is mutated by every call: a replay on the captured one would
+        # attend over the keys appended by the first run. Replays run without one
+        # (training never reads the cache it builds).
+        return None
+    leaves, spec = tree_flatten(value)
+    leaves = [
+        Captured(t.detach(), t.requires_grad) if isinstance(t, torch.Tensor) else t
+        for t in leaves
+    ]
+    return tree_unflatten(leaves, spec)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten ops that run while no unit is running, per gap between units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0  # > 0 while a unit (or one of our own hooks) runs
+        self.gap = 0  # units finished so far: gap i lies between unit i-1 and unit i
+        self.ops: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if self.depth == 0:
+            self.ops[self.gap] = self.ops.get(self.gap, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def trace_units(
+    model: nn.Module,
+    units: list[tuple[str, nn.Module]],
+    run_forward: Callable[[], Any],
+) -> UnitTrace:
+    """Run ``run_forward()`` once with capture hooks on ``units``; check order and chain.
+
+    ``run_forward`` runs the model's forward (and the loss); its result is dropped.
+
+    Raises:
+        ProfileError: a unit did not run, or ran more than once in one forward.
+    """
+    calls = {name: UnitCall(name, module) for name, module in units}
+    by_module = {id(module): calls[name] for name, module in units}
+    order: list[str] = []
+    breaks: list[str] = []
+    counter = _OpCounter()
+    prev_output: list[torch.Tensor | None] = [None]
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = by_module[id(module)]
+        counter.depth += 1  # our own detach() calls are not model code
+        call.calls += 1
+        if call.calls > 1:
+            return
+        order.append(call.name)
+        first = first_tensor_input(args, kwargs)
+        if len(order) > 1:
+            prev = order[-2]
+            if first is None or first is not prev_output[0]:
+                breaks.append(f"{call.name!r}'s first input is not {prev!r}'s output")
+            if counter.ops.get(counter.gap, 0):
+                breaks.append(
+                    f"{counter.ops[counter.gap]} op(s) run between {prev!r} and {call.name!r}"
+                )
+        call.args = tuple(_capture(a) for a in args)
+        call.kwargs = {k: _capture(v) for k, v in kwargs.items()}
+        call.rng = RngState.capture()
+
+    def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        call = by_module[id(module)]
+        counter.depth -= 1
+        counter.gap += 1
+        if call.calls > 1:
+            return
+        out = first_tensor_output(output)
+        prev_output[0] = out
+        if out is not None:
+            call.out_shape = tuple(out.shape)
+            call.out_dtype = out.dtype
+            call.out_device = out.device
+            call.out_requires_grad = out.requires_grad
+
+    handles = []
+    try:
+        for _, module in units:
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+        with counter:
+            run_forward()
+    finally:
+        for h in handles:
+            h.remove()
+        prev_output[0] = None
+
+    missing = [name for name, c in calls.items() if c.calls == 0]
+    if missing:
+        raise ProfileError(
+            f"units {missing} did not run in the forward pass; every unit must run exactly once "
+            "(choose units= among the modules the forward calls)"
+        )
+    repeated = {name: c.calls for name, c in calls.items() if c.calls > 1}
+    if repeated:
+        raise ProfileError(
+            f"units ran more than once in one forward pass: {repeated}; a unit must run exactly "
+            "once (recurrent reuse of a module is unsupported): choose other units="
+        )
+    chain = ChainCheck(not breaks, tuple(breaks))
+    if breaks:
+        log.info("units do not form a chain: %s", "; ".join(breaks[:3]))
+    return UnitTrace(order, calls, chain)
+
+
+def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None) -> ChainCheck:
+    """Run one forward pass of ``model`` and tell whether its units form a chain.
+
+    ``units`` as for :func:`~remat.profiler.units.discover_units`. The model is left
+    as it was (buffers, RNG state, modes; no backward runs).
+    """
+    from remat.profiler.state import ModelState
+    from remat.profiler.step import call_model
+    from remat.profiler.units import discover_units
+
+    found = discover_units(model, units)
+    state = ModelState.capture(model)
+    try:
+        model.train()
+        with torch.enable_grad():
+            trace = trace_units(model, found, lambda: call_model(model, sample_batch))
+    finally:
+        state.restore()
+    return trace.chain

@@ -1,0 +1,246 @@
+"""``profile()``: measure a model's training step unit by unit, for the solver.
+
+The passes, in order (none changes the model: everything is restored at the end,
+also on error):
+
+1. **capture** (:mod:`.capture`): one forward pass records the units' order,
+   inputs and RNG states, and whether they form a chain;
+2. **optimizer** (when one is given): two steps create its state; the second
+   ``optimizer.step()`` is metered (``optimizer_step_peak_bytes``);
+3. **baseline** (:mod:`.instrument`): one instrumented training step gives the
+   prefix/suffix figures, the boundary flags and the measured peak;
+4. **units** (:mod:`.replay`): each unit replayed alone under each option, once
+   under the meter, then ``repeats`` timed times;
+5. **step time**: ``repeats`` timed plain training steps, no meter, no hooks.
+
+Warm-up: a metered run executes the same kernels and allocations as a plain one,
+so it is the first of the ``warmup`` un-timed runs (the metered replay for each
+unit option, the instrumented step for the step time); ``warmup - 1`` more run
+before timing starts.
+
+How the figures become a :class:`Profile` (and why prefix/suffix times are
+derived) is in :mod:`.assemble`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
+from remat.profiler.capture import UnitTrace, trace_units
+from remat.profiler.instrument import instrumented_step
+from remat.profiler.progress import Progress
+from remat.profiler.replay import OptionFigures, UnitTiming, measure_option, time_unit
+from remat.profiler.state import ModelState, clear_grads
+from remat.profiler.step import (
+    LossFn,
+    fixed_bytes,
+    forward_loss,
+    model_device,
+    optimizer_figures,
+    tensor_storage_bytes,
+    time_steps,
+)
+from remat.profiler.timing import Stopwatch
+from remat.profiler.units import UnitsSpec, discover_units
+from remat.solver.profile import Option, Profile
+from torch import nn
+
+from remat.errors import ProfileError
+
+__all__ = ["default_options", "profile"]
+
+log = logging.getLogger("remat")
+
+_PLAN_ATTR = "_remat_state"  # set on a model by remat.runtime.apply_plan
+
+
+def default_options(device: torch.device) -> tuple[str, ...]:
+    """keep, checkpoint, selective; plus offload on CUDA."""
+    opts = [Option.KEEP.value, Option.CHECKPOINT.value, Option.SELECTIVE.value]
+    if device.type == "cuda":
+        opts.append(Option.OFFLOAD.value)
+    return tuple(opts)
+
+
+def _resolve_options(options: Iterable[str | Option] | None, device: torch.device) -> list[str]:
+    if options is None:
+        return list(default_options(device))
+    valid = [o.value for o in Option]
+    chosen = [Option.KEEP.value]  # always measured: the baseline every other option adds to
+    for o in options:
+        value = o.value if isinstance(o, Option) else str(o)
+        if value not in valid:
+            raise ProfileError(f"unknown option {o!r}; valid options: {valid}")
+        if value == Option.OFFLOAD.value and device.type != "cuda":
+            raise ProfileError(
+                "option 'offload' moves saved tensors from a CUDA device to CPU memory; the "
+                f"model is on {device}: leave it out"
+            )
+        if value not in chosen:
+            chosen.append(value)
+    return chosen
+
+
+def profile(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    units: UnitsSpec = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    options: Iterable[str | Option] | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    progress: bool | None = None,
+) -> Profile:
+    """Measure one training step of ``model`` on ``sample_batch``, unit by unit.
+
+    Args:
+        model: the module to plan for; profiled in train mode.
+        sample_batch: a Tensor (``model(x)``), a tuple/list (``model(*batch)``) or a
+            dict (``model(**batch)``), on the model's device.
+        loss_fn: ``loss_fn(output, batch) -> scalar Tensor``; by default the output's
+            ``.loss`` attribute or ``"loss"`` key (Hugging Face outputs).
+        units: which modules are units (see :func:`discover_units`); discovered by default.
+        optimizer: include ``optimizer.step()``: its state bytes and step peak are measured.
+        options: options to measure (``keep`` is always included); default keep,
+            checkpoint, selective, and offload on CUDA.
+        warmup, repeats: un-timed and timed runs for every time figure (medians);
+            the metered run counts as the first warm-up run.
+        progress: show a progress line on stderr (only when it is a terminal);
+            ``False`` to never show it.
+
+    Returns:
+        The :class:`Profile`. Byte figures come from the dispatch-level
+        :class:`~remat.meter.MemoryMeter`, times are medians in milliseconds.
+
+    Raises:
+        NoUnitsError: no units found; pass ``units=``.
+        LossNotFoundError: the output has no loss and no ``loss_fn`` was given.
+        ProfileError: units that overlap, do not run exactly once, or bad arguments.
+
+    Nothing about the model changes: parameters, buffers, ``.grad``, ``requires_grad``,
+    train/eval modes, RNG states and the optimizer state are restored.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ProfileError(f"need repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
+    if getattr(model, _PLAN_ATTR, None) is not None:
+        raise ProfileError(
+            "the model has a plan applied: profile the model without it (a plan changes what "
+            "its units save); call remat.remove_plan(model) first, or use remat.measure() to "
+            "measure the planned step"
+        )
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        log.warning(
+            "the model has Hugging Face gradient checkpointing on: the profile measures its "
+            "checkpointed layers as 'keep'; call model.gradient_checkpointing_disable() first"
+        )
+    found = discover_units(model, units)
+    device = model_device(model)
+    opts = _resolve_options(options, device)
+    watch = Stopwatch(device)
+    bar = Progress(len(found) + 3 + (optimizer is not None), progress)
+    started = time.perf_counter()
+    state = ModelState.capture(model, optimizer)
+    params = state.params
+    try:
+        clear_grads(params)
+        model.train()
+        with torch.enable_grad():
+            bar.step("capture")
+            trace = trace_units(model, found, lambda: forward_loss(model, sample_batch, loss_fn))
+            ordered = [(name, trace.calls[name].module) for name in trace.order]
+            state.rng.restore()
+            state.restore_buffers()
+
+            opt_state, opt_peak = 0, 0
+            if optimizer is not None:
+                bar.step("optimizer")
+                opt_state, opt_peak = optimizer_figures(
+                    model, sample_batch, loss_fn, optimizer, params, device.type
+                )
+                state.rng.restore()
+                state.restore_buffers()
+
+            bar.step("baseline step")
+            watch.sync()
+            fixed = fixed_bytes(model, optimizer)
+            base = instrumented_step(model, sample_batch, loss_fn, ordered,
+                                     is_chain=trace.chain.is_chain, device_type=device.type,
+                                     optimizer=optimizer)
+            clear_grads(params)
+            state.rng.restore()
+            state.restore_buffers()
+
+            more_warmup = max(warmup - 1, 0)  # the metered run was the first
+            figures, timings = _measure_units(trace, ordered, opts, device.type, watch, params,
+                                              state, bar, more_warmup, repeats)
+
+            bar.step("step time")
+            step = time_steps(model, sample_batch, loss_fn, optimizer, state, watch,
+                              warmup=more_warmup, repeats=repeats)
+    finally:
+        bar.close()
+        state.restore()
+
+    measured = Measurements(
+        units=ordered,
+        chain=trace.chain,
+        base=base,
+        figures=figures,
+        timings=timings,
+        step=step,
+        fixed_bytes=fixed,
+        param_bytes=tensor_storage_bytes(model.parameters()),
+        buffer_bytes=tensor_storage_bytes(model.buffers()),
+        optimizer_state_bytes=opt_state,
+        optimizer_step_peak_bytes=opt_peak,
+    )
+    seconds = time.perf_counter() - started
+    result = build_profile(
+        measured,
+        device=device,
+        dtype=model_dtype(model),
+        shapes=input_shapes(sample_batch),
+        meta={"torch": torch.__version__, "meter": "dispatch", "warmup": warmup,
+              "repeats": repeats, "profile_s": round(seconds, 3)},
+    )
+    log.info(
+        "profiled %d units of %s (%s) in %.2f s (%.1f steps): step %.2f ms, peak %d B",
+        result.n, type(model).__name__, "chain" if result.is_chain else "not a chain", seconds,
+        seconds * 1e3 / max(step.step_ms, 1e-9), step.step_ms, result.measured_peak_bytes,
+    )
+    log.debug("profile phases (s): %s",
+              {k: round(v, 3) for k, v in bar.durations().items()})
+    return result
+
+
+def _measure_units(
+    trace: UnitTrace,
+    ordered: list[tuple[str, nn.Module]],
+    opts: list[str],
+    device_type: str,
+    watch: Stopwatch,
+    params: list[nn.Parameter],
+    state: ModelState,
+    bar: Progress,
+    warmup: int,
+    repeats: int,
+) -> tuple[dict[str, dict[str, OptionFigures]], dict[str, UnitTiming]]:
+    """Every unit under every option: metered once, then timed."""
+    figures: dict[str, dict[str, OptionFigures]] = {}
+    timings: dict[str, UnitTiming] = {}
+    for name, _module in ordered:
+        bar.step(f"unit {name}")
+        call = trace.calls[name]
+        figures[name] = {o: measure_option(call, o, device_type, params) for o in opts}
+        timings[name] = time_unit(call, opts, watch, params, warmup=warmup, repeats=repeats)
+        # Replays ran BatchNorm's training forward again: put the running stats back.
+        state.restore_buffers()
+        call.release()
+    return figures, timings

@@ -1,0 +1,200 @@
+"""Isolated replays: one unit, on its captured inputs, under each option.
+
+Each option runs through :func:`forward_with_option`, exactly as the runtime
+will run it. The unit's first input is a fresh storage allocated *before* the
+meter region (so it is a boundary, not held bytes), and its output's gradient
+is produced inside the backward by a tiny autograd function, so autograd owns
+it alone, as it owns the gradient flowing in from the next unit in a real step
+(a gradient the caller still referenced could not be reused in place).
+
+Per option, in bytes above the live bytes at each point:
+
+* ``fwd_peak_bytes``: peak of the forward (the input is outside the region);
+* ``held_bytes``: live after the forward once its other outputs are dropped,
+  minus the output's storage;
+* ``holds_output`` / ``holds_input``: whether the output's / input's storage
+  survives dropping our own references to it (weak references tell);
+* ``bwd_peak_bytes``: peak of the backward above its start, where the start
+  includes what the unit holds and the gradient of its output.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from remat.profiler.capture import UnitCall
+from remat.profiler.state import clear_grads
+from remat.profiler.tensors import first_tensor_output, storage_nbytes
+from remat.profiler.timeline import TimelineMeter
+from remat.profiler.timing import Stopwatch, median
+from remat.runtime.options import forward_with_option
+from torch import nn
+
+__all__ = ["OptionFigures", "UnitTiming", "measure_option", "time_unit"]
+
+log = logging.getLogger("remat")
+
+
+class _OutputGradSource(torch.autograd.Function):
+    """A scalar whose backward hands its input a fresh all-ones gradient.
+
+    Backpropagating from it gives the unit's output a gradient that only the
+    autograd engine references, and saves nothing in the forward.
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.spec = (y.shape, y.dtype, y.device)
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        shape, dtype, device = ctx.spec
+        return torch.ones(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class OptionFigures:
+    """One option's measured bytes for one unit (see the module docstring)."""
+
+    held_bytes: int
+    holds_input: bool
+    holds_output: bool
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    input_grad_bytes: int
+
+
+@dataclass(frozen=True)
+class UnitTiming:
+    """Median times of the isolated replays, in milliseconds, per option."""
+
+    fwd_ms: dict[str, float]
+    bwd_ms: dict[str, float]
+    total_ms: dict[str, float]
+
+
+def _fresh_input(call: UnitCall) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(x_in, leaf)``: the first input as a new non-leaf storage, and the leaf behind it.
+
+    ``x_in = leaf.clone()`` lives only as long as someone references it (the clone
+    node saves nothing); ``leaf`` collects the input gradient.
+    """
+    first = call.first_input
+    if first is None:
+        return None, None
+    if first.requires_grad:
+        leaf = first.fresh()
+        return leaf.clone(), leaf
+    return first.tensor.clone(), None
+
+
+def _root_grad(call: UnitCall) -> torch.Tensor:
+    """The scalar gradient that starts a replay's backward (the output's dtype and device)."""
+    return torch.ones((), dtype=call.out_dtype or torch.float32, device=call.out_device or "cpu")
+
+
+def _alive(ref: weakref.ref | None) -> bool:
+    return ref is not None and ref() is not None
+
+
+def _storage_ref(t: torch.Tensor | None) -> weakref.ref | None:
+    if t is None or t.layout != torch.strided:
+        return None
+    return weakref.ref(t.untyped_storage())
+
+
+def measure_option(
+    call: UnitCall, option: str, device_type: str, params: Sequence[nn.Parameter]
+) -> OptionFigures:
+    """Replay ``call`` once under ``option`` with the memory meter (see module docstring).
+
+    ``params`` (the whole model's) have their gradients cleared before and after.
+    """
+    module = call.module
+    call.rng.restore()
+    clear_grads(params)
+    x_in, leaf = _fresh_input(call)
+    args, kwargs = call.inputs(x_in)
+    root_grad = _root_grad(call)  # outside the region: a step's loss gradient is not ours
+    with TimelineMeter(device_type=device_type) as meter:
+        out = forward_with_option(module, option, module.forward, args, kwargs)
+        fwd = meter.mark("forward")
+        y = first_tensor_output(out)
+        del out  # other outputs die unless the unit saved them
+        counted = meter.record_of(y) is not None
+        held = meter.live_bytes - (storage_nbytes(y) if counted else 0)
+        seed = _OutputGradSource.apply(y) if y is not None and y.requires_grad else None
+        grad_bytes = y.numel() * y.element_size() if seed is not None else 0
+        y_ref, x_ref = _storage_ref(y), _storage_ref(x_in)
+        del y, x_in, args, kwargs
+        holds_output, holds_input = _alive(y_ref), _alive(x_ref)
+        start = meter.mark("backward start")
+        if seed is not None:
+            seed.backward(root_grad)
+            del seed
+        bwd = meter.mark("backward")
+        input_grad = storage_nbytes(leaf.grad) if leaf is not None else 0
+        del leaf
+        clear_grads(params)
+    return OptionFigures(
+        held_bytes=max(held, 0),
+        holds_input=holds_input,
+        holds_output=holds_output,
+        fwd_peak_bytes=fwd.peak_bytes,
+        bwd_peak_bytes=max(bwd.peak_bytes - start.live_bytes - grad_bytes, 0),
+        input_grad_bytes=input_grad,
+    )
+
+
+def time_unit(
+    call: UnitCall,
+    options: Sequence[str],
+    watch: Stopwatch,
+    params: Sequence[nn.Parameter],
+    *,
+    warmup: int,
+    repeats: int,
+) -> UnitTiming:
+    """Median forward / backward / total time of ``call`` under each option (no meter, no hooks).
+
+    Options are interleaved within each round so slow drifts (other processes,
+    clocks) hit them alike.
+    """
+    module = call.module
+    fwd: dict[str, list[float]] = {o: [] for o in options}
+    bwd: dict[str, list[float]] = {o: [] for o in options}
+    for round_ in range(warmup + repeats):
+        for option in options:
+            call.rng.restore()
+            clear_grads(params)
+            x_in, leaf = _fresh_input(call)
+            args, kwargs = call.inputs(x_in)
+            del x_in
+            out, f_ms = watch.time(
+                lambda o=option, a=args, k=kwargs: forward_with_option(module, o, module.forward,
+                                                                        a, k)
+            )
+            del args, kwargs
+            y = first_tensor_output(out)
+            del out
+            seed = _OutputGradSource.apply(y) if y is not None and y.requires_grad else None
+            del y
+            b_ms = 0.0
+            if seed is not None:
+                root_grad = _root_grad(call)
+                _, b_ms = watch.time(lambda s=seed, g=root_grad: s.backward(g))
+            del seed, leaf
+            if round_ >= warmup:
+                fwd[option].append(f_ms)
+                bwd[option].append(b_ms)
+    clear_grads(params)
+    return UnitTiming(
+        fwd_ms={o: median(v) for o, v in fwd.items()},
+        bwd_ms={o: median(v) for o, v in bwd.items()},
+        total_ms={o: median([f + b for f, b in zip(fwd[o], bwd[o])]) for o in options},
+    )
