@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -45,3 +46,14 @@ def seed() -> int:
 def has_transformers() -> bool:
     """Whether the optional ``transformers`` package is installed."""
     return HAS_TRANSFORMERS
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread() -> Iterator[None]:
+    # The test models are tiny: with several intra-op threads on a loaded 2-core
+    # machine the threads spin against each other and a millisecond step takes
+    # seconds. Results do not depend on it (CPU kernels here are deterministic).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
