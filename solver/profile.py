@@ -179,6 +179,11 @@ class Profile:
             alive for the whole step.
         optimizer_step_peak_bytes: peak of ``optimizer.step()`` above the bytes
             alive when it starts (0 without an optimizer).
+        loss_bytes: bytes the caller's loss tensor and autograd's seed gradient keep
+            alive from the start of backward to the end of the step (the loss
+            storage is also part of ``suffix.held_bytes``; it is not freed with the
+            suffix's other held bytes). Usually 8 bytes; CPU ``mse_loss`` returns a
+            view of an input-sized buffer, so there it is a whole activation.
         step_ms: median time of one ordinary training step without checkpointing.
         measured_peak_bytes: measured peak of that step (``fixed_bytes`` included).
         device, dtype: where and in what precision it was measured.
@@ -194,6 +199,7 @@ class Profile:
     buffer_bytes: int = 0
     optimizer_state_bytes: int = 0
     optimizer_step_peak_bytes: int = 0
+    loss_bytes: int = 0
     step_ms: float = 0.0
     measured_peak_bytes: int | None = None
     device: str = "cpu"

@@ -1,0 +1,98 @@
+"""One entry point over every algorithm: ``solve_profile(profile, "8GB", method="optimal")``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from remat.solver.baselines import (
+    checkpoint_all_plan,
+    chen_greedy_plan,
+    chen_plan,
+    keep_all_plan,
+    uniform_plan,
+)
+from remat.solver.budget import parse_budget
+from remat.solver.dp import solve_dp
+from remat.solver.ilp import solve_ilp
+from remat.solver.plan import Plan
+from remat.solver.profile import Profile
+from remat.solver.simulate import simulate
+
+from remat.errors import RematError
+
+__all__ = ["ALGORITHMS", "UnknownMethodError", "solve_profile"]
+
+log = logging.getLogger(__name__)
+
+Algorithm = Callable[..., Plan]
+
+# "optimal" is the default and is the DP (its plans say algorithm="dp").
+ALGORITHMS: Mapping[str, Algorithm] = MappingProxyType(
+    {
+        "none": keep_all_plan,
+        "all": checkpoint_all_plan,
+        "uniform": uniform_plan,
+        "chen": chen_plan,
+        "chen-greedy": chen_greedy_plan,
+        "dp": solve_dp,
+        "ilp": solve_ilp,
+        "optimal": solve_dp,
+    }
+)
+
+
+class UnknownMethodError(RematError, ValueError):
+    """A ``method=`` that names no algorithm."""
+
+
+def algorithm(method: str) -> Algorithm:
+    """The algorithm registered as ``method``."""
+    try:
+        return ALGORITHMS[method]
+    except KeyError:
+        raise UnknownMethodError(
+            f"unknown method={method!r}; valid methods: {sorted(ALGORITHMS)}"
+        ) from None
+
+
+def no_checkpoint_peak_bytes(profile: Profile) -> int:
+    """The simulated peak of keeping everything: what percentage budgets refer to."""
+    return simulate(profile, Plan.keep_all([u.name for u in profile.units])).peak_bytes
+
+
+def solve_profile(
+    profile: Profile,
+    memory_budget: int | str | None = None,
+    *,
+    method: str = "optimal",
+    **params: Any,
+) -> Plan:
+    """Plan checkpointing for ``profile`` under ``memory_budget`` with ``method``.
+
+    Args:
+        profile: the measured profile.
+        memory_budget: bytes, ``"8GB"``/``"7.5GiB"``, ``"60%"`` of the no-checkpoint
+            peak, or ``None`` for no budget.
+        method: one of :data:`ALGORITHMS`.
+        params: the algorithm's own parameters (``k=`` for uniform,
+            ``time_limit_s=`` for ilp, ...).
+
+    Raises:
+        UnknownMethodError: ``method`` names no algorithm.
+        BudgetError: the budget cannot be parsed.
+        InfeasibleBudgetError: no plan of the method fits the budget.
+    """
+    fn = algorithm(method)
+    budget = None
+    if memory_budget is not None:
+        budget = parse_budget(memory_budget, reference_peak_bytes=no_checkpoint_peak_bytes(profile))
+    plan = fn(profile, budget, **params)
+    log.info(
+        "remat: %s plan for %d units, budget %s B: peak %s B, %.3f ms (%s, %.1f ms to solve)",
+        method, profile.n, budget, plan.predicted_peak_bytes, plan.predicted_time_ms or 0.0,
+        plan.status, plan.solve_ms,
+    )
+    return plan

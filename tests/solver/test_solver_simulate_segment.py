@@ -1,0 +1,38 @@
+"""Regression: a segment's first unit frees its checkpoint ``held_bytes`` in its backward.
+
+simulate() allocated the first unit's checkpoint ``held_bytes`` in the forward pass
+and never freed it, so every event after the segment's backward (earlier units'
+backwards, the prefix, the end of the step, the optimizer step) was too high by
+that much, unlike the per-unit ``checkpoint`` option, which frees it.
+"""
+
+from __future__ import annotations
+
+from remat.solver.plan import Plan
+from remat.solver.profile import Profile
+from remat.solver.simulate import simulate
+from solver_testlib import CKPT, KEEP, cost, unit
+
+
+def _profile() -> Profile:
+    # Checkpoint holds 7 B besides its input; no gradients anywhere, 0 fixed bytes.
+    options = {KEEP: cost(100), CKPT: cost(7, bwd=100, ms=1.0)}
+    units = tuple(unit(f"u{i}", options, in_grad=0) for i in range(3))
+    return Profile(units=units, is_chain=True, optimizer_step_peak_bytes=0)
+
+
+def _event(sim, label: str) -> int:
+    return dict(sim.events)[label]
+
+
+def test_segment_frees_its_checkpoint_held_bytes() -> None:
+    profile = _profile()
+    names = [u.name for u in profile.units]
+    segment = simulate(profile, Plan(tuple(names), (CKPT,) * 3, ((1, 2),)))
+    per_unit = simulate(profile, Plan.checkpoint_all(names))
+    # After the whole backward only gradients are alive: none here.
+    assert _event(segment, "backward end") == 0 == _event(per_unit, "backward end")
+    assert _event(segment, "optimizer step") == 0
+    # Unit 0 runs its backward after the segment: its 7 B, its input (10 B) and 100 B of
+    # recompute, with nothing left over from the segment.
+    assert _event(segment, "backward u0") == _event(per_unit, "backward u0") == 117
