@@ -46,7 +46,9 @@ def _walk_allocations(roots: Iterable[object]) -> list[AllocationEvent]:
         event = stack.pop()
         if event.tag == _EventType.Allocation:
             fields = event.extra_fields
-            found.append(AllocationEvent(event.start_time_ns, fields.alloc_size, fields.device.type))
+            found.append(
+                AllocationEvent(event.start_time_ns, fields.alloc_size, fields.device.type)
+            )
         stack.extend(event.children)
     return found
 

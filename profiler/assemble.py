@@ -183,6 +183,7 @@ def build_profile(
         param_bytes=m.param_bytes,
         buffer_bytes=m.buffer_bytes,
         optimizer_state_bytes=m.optimizer_state_bytes,
+        loss_bytes=base.loss_bytes,
         optimizer_step_peak_bytes=m.optimizer_step_peak_bytes,
         step_ms=m.step.step_ms,
         measured_peak_bytes=m.fixed_bytes + base.peak_bytes,

@@ -99,12 +99,29 @@ class UnitTrace:
     chain: ChainCheck
 
 
+_warned_kv_cache = False
+
+
+def _warn_kv_cache_once() -> None:
+    global _warned_kv_cache
+    if not _warned_kv_cache:
+        _warned_kv_cache = True
+        log.warning(
+            "remat: the model passes a KV cache to its units during a training step "
+            "(use_cache=True). The cache is useless in training and its memory is not in "
+            "the profile, so predictions can be low: set model.config.use_cache = False "
+            "for training (Hugging Face's gradient checkpointing does the same)."
+        )
+
+
 def _capture(value: Any) -> Any:
     """Detach every tensor (keeping storage, not graph); drop Hugging Face caches."""
     if is_hf_cache(value):
         # A KV cache is mutated by every call: a replay on the captured one would
         # attend over the keys appended by the first run. Replays run without one
-        # (training never reads the cache it builds).
+        # (training never reads the cache it builds), so what the cache holds in the
+        # real step is not in the profile: say so.
+        _warn_kv_cache_once()
         return None
     leaves, spec = tree_flatten(value)
     leaves = [

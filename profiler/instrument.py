@@ -74,6 +74,7 @@ class BaselineStep:
     held_after_forward_bytes: int = 0
     step_unit_held: list[int] = field(default_factory=list)
     forward_transient_bytes: int = 0
+    loss_bytes: int = 0
     phase_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -159,6 +160,11 @@ def instrumented_step(
                 loss = compute_loss(output, batch, loss_fn)
                 del output
             mark("F")
+            # The caller's loss (and the seed gradient backward() makes for it) stay
+            # alive through the whole backward pass, whatever storage the loss has.
+            loss_bytes = (
+                loss.untyped_storage().nbytes() if meter.record_of(loss) is not None else 0
+            ) + loss.numel() * loss.element_size()
             handles.extend(_hook_gradient_producers(loss, model, meter, first_grad_tick))
             loss.backward()
             del loss
@@ -182,8 +188,10 @@ def instrumented_step(
             f"units {missing} ran in the first forward pass but not in the second; the "
             "profiler needs the same units to run on every step with this batch"
         )
-    return _figures(meter, clock, n, is_chain, in_rec, out_rec, in_nbytes, out_nbytes, saved,
-                    grad_records)
+    figures = _figures(meter, clock, n, is_chain, in_rec, out_rec, in_nbytes, out_nbytes, saved,
+                       grad_records)
+    figures.loss_bytes = loss_bytes
+    return figures
 
 
 def _hook_gradient_producers(

@@ -417,7 +417,8 @@ def _build_hf_gpt2(cfg: HFConfig) -> ReferenceModel:
         attn_pdrop=cfg.dropout,
         bos_token_id=cfg.vocab_size - 1,  # GPT-2's 50256 lies outside a small vocabulary
         eos_token_id=cfg.vocab_size - 1,
-        **cfg.extra,
+        # Training builds no KV cache (Hugging Face's own checkpointing turns it off too).
+        **{"use_cache": False, **cfg.extra},
     )
     model = tf.GPT2LMHeadModel(config)
     if hasattr(model, "loss_type"):
@@ -443,7 +444,8 @@ def _build_hf_bert(cfg: HFConfig) -> ReferenceModel:
         vocab_size=cfg.vocab_size,
         hidden_dropout_prob=cfg.dropout,
         attention_probs_dropout_prob=cfg.dropout,
-        **cfg.extra,
+        # Training builds no KV cache (Hugging Face's own checkpointing turns it off too).
+        **{"use_cache": False, **cfg.extra},
     )
     model = tf.BertForMaskedLM(config)
     if hasattr(model, "loss_type"):
@@ -478,7 +480,8 @@ def _build_hf_llama(cfg: HFConfig) -> ReferenceModel:
         max_position_embeddings=cfg.seq_len,
         vocab_size=cfg.vocab_size,
         attention_dropout=cfg.dropout,
-        **cfg.extra,
+        # Training builds no KV cache (Hugging Face's own checkpointing turns it off too).
+        **{"use_cache": False, **cfg.extra},
     )
     model = tf.LlamaForCausalLM(config)
     if hasattr(model, "loss_type"):

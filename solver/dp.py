@@ -20,7 +20,7 @@ left-to-right pass over the units sees each event exactly once. On a chain unit
     backward : A_i + o.held + H*in_i + o.holds_output*out_i + o.bwd_peak + D_i
     A_{i+1}  = A_i + o.held + H*in_i,   next p = o.holds_output
 
-with ``C`` = fixed + prefix held bytes and ``D_i`` = ``C`` + the gradients alive at
+with ``C`` = fixed + prefix held bytes and ``D_i`` = ``C`` + the loss + the gradients alive at
 unit ``i``'s backward (suffix and later units' parameter gradients, and the
 gradient of unit ``i``'s output). A multi-unit segment ``a..b`` is one move from
 ``A_a`` to ``A_{b+1} = A_a + ckpt.held_a + in_a`` (only its first input is held,
@@ -178,7 +178,13 @@ def _bwd_constants(profile: Profile, const_bytes: int) -> tuple[int, ...]:
             grad_out = units[i + 1].input_grad_bytes
         else:
             grad_out = units[i].output_bytes
-        out[i] = const_bytes + profile.suffix.param_grad_bytes + later_pgrad + grad_out
+        out[i] = (
+            const_bytes
+            + profile.loss_bytes
+            + profile.suffix.param_grad_bytes
+            + later_pgrad
+            + grad_out
+        )
         later_pgrad += units[i].param_grad_bytes
     return tuple(out)
 
@@ -194,12 +200,13 @@ def _floor_bytes(profile: Profile) -> int:
         + profile.suffix.param_grad_bytes
         + unit_pgrad
         + profile.prefix.bwd_peak_bytes
+        + profile.loss_bytes
     )
     if profile.is_chain:
         # The prefix's hold on unit 0's input outlives unit 0, and so does its gradient.
         prefix_bwd += first.input_grad_bytes
         prefix_bwd += first.input_bytes if first.input_held_outside else 0
-    end = fixed + profile.grad_bytes
+    end = fixed + profile.grad_bytes + profile.loss_bytes
     return max(
         fixed + profile.prefix.fwd_peak_bytes,
         prefix_bwd,

@@ -22,6 +22,8 @@ The rules it encodes:
 * A unit's backward peaks at ``live + bwd_peak_bytes`` of its option. After it,
   what the unit held is freed, its output's gradient is consumed, and its input's
   gradient and its parameter gradients are live.
+* The loss (``loss_bytes``, with the seed gradient) stays alive from the start of
+  backward to the end of the step: the caller holds it.
 * The step time is the measured step time plus every option's ``extra_ms``.
 """
 
@@ -200,6 +202,8 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     # ---- backward -----------------------------------------------------------------
     r.event("backward suffix", profile.suffix.bwd_peak_bytes)
     r.free(profile.suffix.held_bytes)
+    # The caller's loss and the seed gradient outlive the suffix's other held bytes.
+    r.allocate(profile.loss_bytes)
     r.allocate(profile.suffix.param_grad_bytes)
     if chain:
         r.drop_holder(out_key(n - 1), "suffix")

@@ -15,7 +15,7 @@ from remat.cli import main
 def test_solve_prints_plan_and_measures(capsys, tmp_path):
     out = tmp_path / "plan.json"
     code = main(
-        ["solve", "--model", "mlp", "--size", "tiny", "--budget", "60%", "--measure",
+        ["solve", "--model", "gpt", "--size", "tiny", "--budget", "95%", "--measure",
          "--out", str(out)]
     )
     assert code == 0
@@ -38,8 +38,9 @@ def test_user_factory(tmp_path, capsys, monkeypatch):
         "import torch\n"
         "from torch import nn\n"
         "def make():\n"
-        "    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])\n"
-        "    return model, torch.randn(8, 32), lambda out, batch: out.square().mean()\n"
+        "    blocks = [nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)]\n"
+        "    model = nn.Sequential(*blocks)\n"
+        "    return model, torch.randn(512, 32), lambda out, batch: out.square().mean()\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["solve", "--model", "my_factory:make", "--budget", "90%"]) == 0

@@ -1,0 +1,87 @@
+"""The benchmarks' allocator instrument against a hand count.
+
+The stack: 8 bias-free ``Linear(256, 256)``, an input of 4096 x 256 created
+outside the measured region, loss = ``sum``. With A = 4096*256*4 bytes (one
+activation) and W = 256*256*4 bytes (one weight):
+
+* Forward: every layer's output is allocated (8A). Linear saves its input, so
+  outputs 1..7 are held; output 8 dies once ``sum`` has run. The loss is 4 bytes.
+* Backward of layer 8: 7A held, the loss and the seed gradient of ``sum`` (8
+  bytes; its expansion to 4096 x 256 is a stride-0 view), the new input gradient
+  (A) and weight gradient (W): 8A + W + 8 at the dispatch level. The matmul needs
+  a contiguous gradient, so the kernel copies the broadcast one into a scratch
+  buffer (A) that the allocator sees and the dispatcher does not: 9A + W + 8.
+* Backward of layer 7: 6A held, the gradient of output 7 (A), the new input
+  gradient (A) and two weight gradients (2W): 8A + 2W + 8 on both instruments.
+* Later layers hold less. Dispatch peak: 8A + 2W + 8 (layer 7, as W > 0);
+  allocator peak: 9A + W + 8 (layer 8, as A > W).
+
+So the two instruments differ by exactly the scratch copy minus one weight
+gradient: allocator - dispatch = A - W.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from remat.meter import MemoryMeter
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "allocator.py"
+_spec = importlib.util.spec_from_file_location("benchmarks_allocator", _PATH)
+allocator = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = allocator
+_spec.loader.exec_module(allocator)
+
+A = 4096 * 256 * 4
+W = 256 * 256 * 4
+SCALARS = 8  # the loss and its seed gradient, 4 bytes each
+
+
+@pytest.fixture()
+def stack() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(8)])
+    return model, torch.randn(4096, 256)
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    for p in model.parameters():
+        p.grad = None
+    model(x).sum().backward()
+
+
+def test_allocator_peak_matches_hand_count(stack: tuple[nn.Module, torch.Tensor]) -> None:
+    model, x = stack
+    _step(model, x)  # warm-up
+    for p in model.parameters():
+        p.grad = None
+    assert allocator.allocator_peak(lambda: model(x).sum().backward()) == 9 * A + W + SCALARS
+
+
+def test_dispatch_meter_misses_the_scratch_copy(stack: tuple[nn.Module, torch.Tensor]) -> None:
+    model, x = stack
+    _step(model, x)
+    for p in model.parameters():
+        p.grad = None
+    with MemoryMeter() as meter:
+        model(x).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    alloc = allocator.allocator_peak(lambda: model(x).sum().backward())
+    assert meter.peak_bytes == 8 * A + 2 * W + SCALARS
+    assert alloc - meter.peak_bytes == A - W
+
+
+def test_peak_of_is_a_running_sum_above_the_start() -> None:
+    ev = allocator.AllocationEvent
+    events = [ev(0, -100, "cpu"), ev(1, 300, "cpu"), ev(2, 50, "cuda"), ev(3, -300, "cpu"),
+              ev(4, 120, "cpu")]
+    assert allocator.peak_of(events) == 200  # -100 + 300
+    assert allocator.peak_of(events, "cuda") == 50
+    assert allocator.peak_of([ev(0, -5, "cpu")]) == 0
