@@ -497,6 +497,26 @@ def _build_hf_llama(cfg: HFConfig) -> ReferenceModel:
 
 
 # --------------------------------------------------------------------------- registry
+_TRANSFORMER_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "depth": 2,
+        "width": 32,
+        "heads": 2,
+        "seq_len": 16,
+        "batch_size": 2,
+        "vocab_size": 128,
+    },
+    "small": {
+        "depth": 6,
+        "width": 256,
+        "heads": 4,
+        "seq_len": 128,
+        "batch_size": 16,
+        "vocab_size": 2048,
+    },
+}
+
+
 _PRESETS: dict[str, tuple[type[ModelConfig], dict[str, dict[str, Any]]]] = {
     "mlp": (
         MLPConfig,
@@ -517,46 +537,10 @@ _PRESETS: dict[str, tuple[type[ModelConfig], dict[str, dict[str, Any]]]] = {
             },
         },
     ),
-    "gpt": (
-        GPTConfig,
-        {
-            "tiny": {
-                "depth": 2,
-                "width": 32,
-                "heads": 2,
-                "seq_len": 16,
-                "batch_size": 2,
-                "vocab_size": 128,
-            },
-            "small": {
-                "depth": 6,
-                "width": 256,
-                "heads": 4,
-                "seq_len": 128,
-                "batch_size": 16,
-                "vocab_size": 2048,
-            },
-        },
-    ),
+    "gpt": (GPTConfig, _TRANSFORMER_PRESETS),
 }
-_HF_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "depth": 2,
-        "width": 32,
-        "heads": 2,
-        "seq_len": 16,
-        "batch_size": 2,
-        "vocab_size": 128,
-    },
-    "small": {
-        "depth": 6,
-        "width": 256,
-        "heads": 4,
-        "seq_len": 128,
-        "batch_size": 16,
-        "vocab_size": 2048,
-    },
-}
+# The Hugging Face models take the same sizes as the own GPT, so they compare directly.
+_HF_PRESETS = _TRANSFORMER_PRESETS
 for _name in ("hf-gpt2", "hf-bert", "hf-llama"):
     _PRESETS[_name] = (HFConfig, _HF_PRESETS)
 
