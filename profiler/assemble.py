@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from remat.profiler.capture import ChainCheck
 from remat.profiler.instrument import BaselineStep
 from remat.profiler.replay import OptionFigures, UnitTiming
 from remat.profiler.step import StepTimes
 from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
-from torch import nn
 
 __all__ = ["Measurements", "build_profile", "input_shapes", "model_dtype"]
 

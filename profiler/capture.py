@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from remat.profiler.state import RngState
-from remat.profiler.tensors import first_tensor_input, first_tensor_output, is_hf_cache
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import ProfileError
+from remat.profiler.state import RngState
+from remat.profiler.tensors import first_tensor_input, first_tensor_output, is_hf_cache
 
 __all__ = ["Captured", "ChainCheck", "UnitCall", "UnitTrace", "check_chain", "trace_units"]
 

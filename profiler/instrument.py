@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from remat.profiler.step import LossFn, call_model, compute_loss
-from remat.profiler.tensors import first_tensor_input, first_tensor_output, storage_nbytes
-from remat.profiler.timeline import TimelineMeter
 from torch import nn
 
 from remat.errors import ProfileError
+from remat.profiler.step import LossFn, call_model, compute_loss
+from remat.profiler.tensors import first_tensor_input, first_tensor_output, storage_nbytes
+from remat.profiler.timeline import TimelineMeter
 
 __all__ = ["BaselineStep", "instrumented_step"]
 

@@ -30,6 +30,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
+
+from remat.errors import ProfileError
 from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
 from remat.profiler.capture import UnitTrace, trace_units
 from remat.profiler.instrument import instrumented_step
@@ -48,9 +51,6 @@ from remat.profiler.step import (
 from remat.profiler.timing import Stopwatch
 from remat.profiler.units import UnitsSpec, discover_units
 from remat.solver.profile import Option, Profile
-from torch import nn
-
-from remat.errors import ProfileError
 
 __all__ = ["default_options", "profile"]
 

@@ -26,13 +26,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from remat.profiler.capture import UnitCall
 from remat.profiler.state import clear_grads
 from remat.profiler.tensors import first_tensor_output, storage_nbytes
 from remat.profiler.timeline import TimelineMeter
 from remat.profiler.timing import Stopwatch, median
 from remat.runtime.options import forward_with_option
-from torch import nn
 
 __all__ = ["OptionFigures", "UnitTiming", "measure_option", "time_unit"]
 

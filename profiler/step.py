@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from remat.profiler.state import ModelState, clear_grads
-from remat.profiler.timing import Stopwatch, median
 from torch import nn
 
 from remat.errors import LossNotFoundError, ProfileError
 from remat.meter import MemoryMeter
+from remat.profiler.state import ModelState, clear_grads
+from remat.profiler.timing import Stopwatch, median
 
 __all__ = [
     "LossFn",

@@ -522,7 +522,8 @@ _PRESETS: dict[str, tuple[type[ModelConfig], dict[str, dict[str, Any]]]] = {
         MLPConfig,
         {
             "tiny": {"depth": 6, "width": 64, "batch_size": 16},
-            "small": {"depth": 32, "width": 1024, "batch_size": 512},
+            # Activations (8 MiB a block) dwarf the weights: there is something to plan.
+            "small": {"depth": 16, "width": 256, "batch_size": 4096},
         },
     ),
     "cnn": (

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
+from torch import nn
+
+from remat.errors import PlanMismatchError, RematError
 from remat.runtime.options import forward_with_option, option_is_active
 from remat.runtime.segments import SegmentRunner
 from remat.solver.plan import Plan
 from remat.solver.profile import Option
-from torch import nn
-
-from remat.errors import PlanMismatchError, RematError
 
 __all__ = ["apply_plan", "planned", "remove_plan"]
 

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from remat.solver.profile import Option
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -24,6 +23,7 @@ from torch.utils.checkpoint import (
 )
 
 from remat.errors import RematError
+from remat.solver.profile import Option
 
 __all__ = [
     "SELECTIVE_SAVE_OPS",

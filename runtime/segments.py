@@ -33,11 +33,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from remat.runtime.options import checkpoint_context_fn, without_kv_cache
 from torch import nn
 from torch.utils import checkpoint as _ckpt
 
 from remat.errors import RematError
+from remat.runtime.options import checkpoint_context_fn, without_kv_cache
 
 __all__ = ["SegmentRunner", "first_tensor"]
 

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from remat.errors import InfeasibleBudgetError
 from remat.solver.dp import (
     StepModel,
     build_model,
@@ -28,8 +30,6 @@ from remat.solver.dp import (
 )
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Option, Profile
-
-from remat.errors import InfeasibleBudgetError
 
 __all__ = [
     "chen_greedy_plan",

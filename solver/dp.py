@@ -68,11 +68,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from remat.errors import InfeasibleBudgetError
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Option, Profile
 from remat.solver.simulate import simulate
-
-from remat.errors import InfeasibleBudgetError
 
 __all__ = [
     "Move",

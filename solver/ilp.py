@@ -48,12 +48,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from ortools.sat.python import cp_model
+
+from remat.errors import InfeasibleBudgetError, RematError
 from remat.solver.dp import StepModel, build_model, min_peak_bytes, need_to_go, stamp_plan
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Option, Profile
 from remat.solver.simulate import simulate
-
-from remat.errors import InfeasibleBudgetError, RematError
 
 __all__ = ["TIME_UNITS_PER_MS", "solve_ilp"]
 

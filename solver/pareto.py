@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import pandas as pd
+
+from remat.errors import InfeasibleBudgetError
 from remat.solver.baselines import (
     checkpoint_all_plan,
     chen_plan,
@@ -17,8 +19,6 @@ from remat.solver.dp import min_peak_bytes
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Profile
 from remat.solver.solve import algorithm, no_checkpoint_peak_bytes
-
-from remat.errors import InfeasibleBudgetError
 
 __all__ = ["COLUMNS", "min_feasible_peak", "pareto_frontier"]
 

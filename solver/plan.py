@@ -12,9 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from remat.solver.profile import Option
-
 from remat.errors import PlanMismatchError
+from remat.solver.profile import Option
 
 __all__ = ["PLAN_SCHEMA_VERSION", "Plan", "Status"]
 

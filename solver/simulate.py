@@ -31,10 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from remat.errors import PlanMismatchError
 from remat.solver.plan import Plan
 from remat.solver.profile import Option, OptionCost, Profile
-
-from remat.errors import PlanMismatchError
 
 __all__ = ["Simulation", "check_plan_fits_profile", "simulate"]
 

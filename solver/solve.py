@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from remat.errors import RematError
 from remat.solver.baselines import (
     checkpoint_all_plan,
     chen_greedy_plan,
@@ -20,8 +21,6 @@ from remat.solver.ilp import solve_ilp
 from remat.solver.plan import Plan
 from remat.solver.profile import Profile
 from remat.solver.simulate import simulate
-
-from remat.errors import RematError
 
 __all__ = ["ALGORITHMS", "UnknownMethodError", "solve_profile"]
 

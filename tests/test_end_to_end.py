@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from remat.solver.pareto import min_feasible_peak
 
 import remat
 from remat import models
+from remat.solver.pareto import min_feasible_peak
 
 PEAK_TOLERANCE = 0.03
 # Tiny models with activations large enough that checkpointing matters: their

@@ -9,10 +9,10 @@ numbers, the solver's simulator and the runtime's behaviour.
 from __future__ import annotations
 
 import pytest
-from remat.solver.plan import Plan
 
 import remat
 from remat import models
+from remat.solver.plan import Plan
 
 HELD_TOLERANCE = 0.02
 PEAK_TOLERANCE = 0.03

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from remat.profiler import profile
 from remat.solver import Plan, simulate
-from torch import nn
 
 B, D = 8, 16
 A, W, Db, S = B * D * 4, D * D * 4, D * 4, B * 4

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from remat.profiler import check_chain, profile
 from torch import nn
 
 from remat import models
+from remat.profiler import check_chain, profile
 
 
 class Block(nn.Module):

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from remat.profiler import measure_step, profile
-from remat.runtime.options import forward_with_option
-from remat.solver import Plan, simulate
 from torch import nn
 
 from remat import models
+from remat.profiler import measure_step, profile
+from remat.runtime.options import forward_with_option
+from remat.solver import Plan, simulate
 
 HELD_TOLERANCE = 0.02
 PEAK_TOLERANCE = 0.03

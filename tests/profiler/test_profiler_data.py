@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
-from remat.profiler import StepMeasurement, measure_step, profile
-from remat.solver import Plan, Profile, simulate
 from torch import nn
 
 from remat import models
+from remat.profiler import StepMeasurement, measure_step, profile
+from remat.solver import Plan, Profile, simulate
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +103,8 @@ def test_step_measurement_fields() -> None:
 
 
 def test_remat_exports_profile_and_measure() -> None:
+    import remat
     from remat.profiler import measure_step as ms
     from remat.profiler import profile as pf
-
-    import remat
 
     assert remat.profile is pf and remat.measure is ms

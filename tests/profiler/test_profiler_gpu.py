@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from remat.profiler import default_options, measure_step, profile
-from remat.solver import Plan, simulate
 
 from remat import models
+from remat.profiler import default_options, measure_step, profile
+from remat.solver import Plan, simulate
 
 pytestmark = pytest.mark.gpu
 

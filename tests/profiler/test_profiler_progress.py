@@ -6,9 +6,10 @@ import io
 
 import pytest
 import torch
+from torch import nn
+
 from remat.profiler import profile
 from remat.profiler.progress import Progress
-from torch import nn
 
 
 class FakeTerminal(io.StringIO):

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from remat.profiler import measure_step, profile
 from torch import nn
 
 from remat import models
+from remat.profiler import measure_step, profile
 
 
 @dataclass

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from remat.profiler import discover_units, profile
 from torch import nn
 
 from remat import models
 from remat.errors import LossNotFoundError, NoUnitsError, ProfileError
+from remat.profiler import discover_units, profile
 
 
 class Block(nn.Module):

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from remat.solver import Plan
 from torch import Tensor, nn
 
 from remat.models import ReferenceModel, build
+from remat.solver import Plan
 
 # Where each reference model keeps its chain of units.
 UNIT_PREFIX = {

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import rt_helpers as h
 import torch
-from remat.runtime import apply_plan, planned, remove_plan
-from remat.runtime.apply import STATE_ATTR
-from remat.solver import Plan
 from torch import nn
 
 from remat.errors import PlanMismatchError, RematError
+from remat.runtime import apply_plan, planned, remove_plan
+from remat.runtime.apply import STATE_ATTR
+from remat.solver import Plan
 
 MODELS = ["mlp", "cnn", "gpt", "hf-gpt2", "hf-bert"]
 PLANS = ["checkpoint", "selective", "mixed", "chain"]

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from remat.runtime import apply_plan
-from remat.solver import Plan
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from remat.models import build
+from remat.runtime import apply_plan
+from remat.solver import Plan
 
 WORLD = 2
 STEPS = 2

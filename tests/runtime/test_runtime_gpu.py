@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import rt_helpers as h
 import torch
+
 from remat.runtime import apply_plan
 
 pytestmark = [

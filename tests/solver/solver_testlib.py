@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 from hypothesis import assume
 from hypothesis import strategies as st
+
 from remat.solver.plan import Plan
 from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
 from remat.solver.simulate import simulate

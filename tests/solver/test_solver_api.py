@@ -10,6 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
+from solver_testlib import KEEP, all_plans, keep_peak, segment_profiles, transformer_like
+
+from remat.errors import BudgetError, InfeasibleBudgetError, RematError
 from remat.solver import ilp as ilp_module
 from remat.solver.baselines import (
     chen_groups,
@@ -24,9 +27,6 @@ from remat.solver.pareto import COLUMNS, min_feasible_peak, pareto_frontier
 from remat.solver.plan import Plan
 from remat.solver.simulate import simulate
 from remat.solver.solve import ALGORITHMS, UnknownMethodError, solve_profile
-from solver_testlib import KEEP, all_plans, keep_peak, segment_profiles, transformer_like
-
-from remat.errors import BudgetError, InfeasibleBudgetError, RematError
 
 PROFILE = transformer_like(12, seed=1)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from remat.solver.budget import parse_budget
 
 from remat.errors import BudgetError
+from remat.solver.budget import parse_budget
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,16 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from solver_testlib import (
+    KEEP,
+    Scored,
+    keep_peak,
+    profiles,
+    segment_profiles,
+    transformer_like,
+)
+
+from remat.errors import InfeasibleBudgetError
 from remat.solver import dp as dp_module
 from remat.solver.baselines import (
     checkpoint_all_plan,
@@ -26,16 +36,6 @@ from remat.solver.pareto import min_feasible_peak
 from remat.solver.plan import Plan
 from remat.solver.profile import Profile
 from remat.solver.simulate import simulate
-from solver_testlib import (
-    KEEP,
-    Scored,
-    keep_peak,
-    profiles,
-    segment_profiles,
-    transformer_like,
-)
-
-from remat.errors import InfeasibleBudgetError
 
 SETTINGS = settings(
     max_examples=100,

@@ -8,10 +8,11 @@ that much, unlike the per-unit ``checkpoint`` option, which frees it.
 
 from __future__ import annotations
 
+from solver_testlib import CKPT, KEEP, cost, unit
+
 from remat.solver.plan import Plan
 from remat.solver.profile import Profile
 from remat.solver.simulate import simulate
-from solver_testlib import CKPT, KEEP, cost, unit
 
 
 def _profile() -> Profile:

@@ -17,15 +17,15 @@ held boundaries), ``D_i`` the gradient bytes alive at unit i's backward
 from __future__ import annotations
 
 import pytest
+from solver_testlib import CKPT, KEEP, SEL, brute_force, brute_min_peak, cost, unit
+
+from remat.errors import InfeasibleBudgetError
 from remat.solver.baselines import chen_plan, uniform_plan
 from remat.solver.dp import min_peak_bytes, solve_dp
 from remat.solver.ilp import solve_ilp
 from remat.solver.plan import Plan
 from remat.solver.profile import OutsideCost, Profile
 from remat.solver.simulate import simulate
-from solver_testlib import CKPT, KEEP, SEL, brute_force, brute_min_peak, cost, unit
-
-from remat.errors import InfeasibleBudgetError
 
 SOLVERS = [solve_dp, solve_ilp]
 
