@@ -12,18 +12,22 @@ script measures:
   k = 2, 4, ..., n segments, where the units are an ``nn.Sequential`` (mlp, cnn),
 * Hugging Face ``gradient_checkpointing_enable`` (every block; hf-gpt2),
 * ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` = f
-  and 1.0 (the compiled reference), one compile per budget.
+  and 1.0 (the compiled reference), one compile per budget,
+* remat optimal + torch.compile: each feasible remat optimal plan applied to a
+  copy that is then compiled (activation_memory_budget 1.0), one compile per plan.
 
 Every method runs on its own deep copy of one pristine model, with the same batch.
 Peaks include the persistent bytes (parameters, buffers and, allocated in the
 step, gradients). Two instruments: the dispatch-level meter
 (:class:`remat.meter.MemoryMeter`, remat's own; blind to compiled code) and the
 allocator view (``benchmarks/allocator.py``). "Budget met" uses the dispatch
-figure for eager methods and the allocator figure for compiled ones.
+figure for eager methods and the allocator figure for compiled ones (both
+torch.compile and remat optimal + torch.compile).
 
 Usage::
 
-    .venv/bin/python benchmarks/peers.py                # full run: 6-8 min on 2 cores, cold cache
+    .venv/bin/python benchmarks/peers.py                # full run: 8-12 min on 2 cores, cold cache
+    .venv/bin/python benchmarks/peers.py --no-remat-compile  # without remat + torch.compile
     .venv/bin/python benchmarks/peers.py --quick        # tiny models, a smoke test
     .venv/bin/python benchmarks/peers.py --models mlp,cnn --budgets 0.5 --no-compile
 """
@@ -42,6 +46,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import copy
 import datetime as dt
+import logging
 import platform
 import shlex
 import statistics
@@ -72,11 +77,13 @@ from remat.models import ReferenceModel, build
 
 MIB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = str(Path(__file__).resolve().parent.parent)
 DEFAULT_MODELS = ("mlp", "cnn", "gpt", "hf-gpt2")
 DEFAULT_BUDGETS = (0.3, 0.5, 0.7)
 
 # Model sizes for the full run, tuned so that the whole script (4 models, 3 budgets,
-# 4 compiles per model) finishes within ~15 minutes on 2 CPU cores.
+# 4 torch.compile compiles per model plus one per feasible remat optimal plan) finishes
+# within ~15 minutes on 2 CPU cores.
 FULL_SIZES: dict[str, dict[str, Any]] = {
     # width 256, batch 4096: activations (~8 MiB a block) dwarf the weights, so there is
     # something to checkpoint (at width 1024, batch 512 the gradients set the peak).
@@ -90,7 +97,9 @@ QUICK_SIZES: dict[str, dict[str, Any]] = {name: {"size": "tiny"} for name in DEF
 # Families of methods; the ratio table compares remat optimal with the peers.
 EAGER, COMPILED = "eager", "compiled"
 PEER_METHODS = ("checkpoint_sequential", "HF gradient checkpointing", "torch.compile")
-METHOD_ORDER = ("none", "remat optimal", "remat chen", *PEER_METHODS)
+# remat optimal's plan, applied and then compiled: the compiled counterpart of remat optimal.
+REMAT_COMPILED = "remat optimal + torch.compile"
+METHOD_ORDER = ("none", "remat optimal", "remat chen", *PEER_METHODS, REMAT_COMPILED)
 NOT_APPLICABLE = {
     "checkpoint_sequential": (
         "n/a: the blocks are an nn.ModuleList driven by the model's own forward loop; "
@@ -112,7 +121,7 @@ class Variant:
     budget_fraction: float | None = None
     predicted_peak_bytes: int | None = None
     teardown: Callable[[], None] = lambda: None
-    compile_s: float | None = None
+    plan: remat.Plan | None = None
 
 
 @dataclass
@@ -309,7 +318,7 @@ def remat_variant(pristine: nn.Module, plan: remat.Plan, method: str, setting: s
             raise RuntimeError(f"remat.remove_plan left wrapped forwards on {sorted(left)}")
 
     return Variant(method, setting, EAGER, model, budget_fraction=fraction,
-                   predicted_peak_bytes=plan.predicted_peak_bytes, teardown=teardown)
+                   predicted_peak_bytes=plan.predicted_peak_bytes, teardown=teardown, plan=plan)
 
 
 def overridden_forwards(model: nn.Module) -> set[str]:
@@ -366,28 +375,124 @@ def measure_eager(variants: Sequence[Variant], ref: ReferenceModel, repeats: int
     return rows
 
 
+DISPATCH_NA = "dispatch meter n/a: compiled code runs eagerly under a dispatch mode"
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """Dynamo's running totals: graphs compiled and graph breaks."""
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+class RecompileLimitHits(logging.Handler):
+    """Collects dynamo's "hit config.recompile_limit" warnings.
+
+    Past the limit, dynamo runs the named function eagerly from then on, which is
+    how a compiled model can end up with no graph at all; the note says so.
+    """
+
+    LOGGER = "torch._dynamo.convert_frame"
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith("torch._dynamo hit config.") and len(args) >= 3:
+            limit, value, function = args[:3]
+            hit = f"{limit} ({value}) in {str(function).replace(f'{REPO}/', '')}"
+            if hit not in self.hits:
+                self.hits.append(hit)
+
+    def __enter__(self) -> RecompileLimitHits:
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger(self.LOGGER).removeHandler(self)
+
+
+def compile_note(compile_s: float, graphs: int, breaks: int, limit_hits: Sequence[str]) -> str:
+    """The note of a compiled row: compile time, graphs, and recompile limits hit."""
+    note = (f"{DISPATCH_NA}; first step (compile) {compile_s:.0f} s; "
+            f"{graphs} graph{'s' if graphs != 1 else ''}, {breaks} graph breaks")
+    if graphs == 0:
+        note += " (ran eagerly)"
+    if limit_hits:
+        note += "; dynamo hit " + ", ".join(limit_hits) + ": later calls ran eagerly"
+    return note
+
+
+def run_compiled(row: Row, ref: ReferenceModel, model: nn.Module, repeats: int,
+                 warmup: int) -> None:
+    """``torch.compile(model)``: compile time, allocator peak and step times into ``row``.
+
+    Dynamo is reset before and after, so each compile starts from nothing and the
+    next one does not find this one's guards. The note says how many graphs (and
+    graph breaks) the model compiled to, and which recompile limits it hit.
+    """
+    torch._dynamo.reset()
+    graphs0, breaks0 = dynamo_counts()
+    try:
+        with RecompileLimitHits() as limits:
+            step = make_step(ref, torch.compile(model))
+            row.compile_s = timed_step(model, step)[0] / 1e3  # the first step compiles
+            for _ in range(max(warmup, 1)):
+                timed_step(model, step)
+            row.peak_allocator_bytes = allocator_step_peak(model, step)
+            record_times(row, [timed_step(model, step) for _ in range(repeats)])
+        graphs, breaks = (now - then for now, then in zip(dynamo_counts(), (graphs0, breaks0)))
+    finally:
+        torch._dynamo.reset()
+    row.note = compile_note(row.compile_s, graphs, breaks, limits.hits)
+    print(f"  {row.method} {row.setting}: allocator {mib(row.peak_allocator_bytes)} MiB, "
+          f"{row.step_ms:.0f} ms, compile {row.compile_s:.0f} s, {graphs} graphs", flush=True)
+
+
 def measure_compiled(ref: ReferenceModel, pristine: nn.Module, fraction: float, repeats: int,
                      warmup: int) -> Row:
     """Compile a copy at ``activation_memory_budget=fraction``; its allocator peak and times."""
-    torch._dynamo.reset()
-    setting = f"budget={fraction:g}"
-    row = Row(ref.name, "torch.compile", setting, COMPILED,
+    row = Row(ref.name, "torch.compile", f"budget={fraction:g}", COMPILED,
               budget_fraction=fraction if fraction < 1.0 else None)
     with activation_memory_budget(fraction):
-        model = copy.deepcopy(pristine)
-        compiled = torch.compile(model)
-        step = make_step(ref, compiled)
-        row.compile_s = timed_step(model, step)[0] / 1e3  # the first step compiles
-        for _ in range(max(warmup, 1)):
-            timed_step(model, step)
-        row.peak_allocator_bytes = allocator_step_peak(model, step)
-        record_times(row, [timed_step(model, step) for _ in range(repeats)])
-    row.note = ("dispatch meter n/a: compiled code runs eagerly under a dispatch mode; "
-                f"first step (compile) {row.compile_s:.0f} s")
-    torch._dynamo.reset()
-    print(f"  torch.compile {setting}: allocator {mib(row.peak_allocator_bytes)} MiB, "
-          f"{row.step_ms:.0f} ms, compile {row.compile_s:.0f} s", flush=True)
+        run_compiled(row, ref, copy.deepcopy(pristine), repeats, warmup)
     return row
+
+
+def measure_remat_compiled(ref: ReferenceModel, pristine: nn.Module, plan: remat.Plan,
+                           fraction: float, repeats: int, warmup: int) -> Row:
+    """remat optimal's plan at ``fraction`` applied to a copy, then compiled.
+
+    Compiled at the default ``activation_memory_budget`` (1.0: inductor adds no
+    recomputation of its own), so all the checkpointing is remat's. A plan that does
+    not compile (or whose compiled step fails) becomes a row whose note says why.
+    """
+    def fresh() -> Row:
+        return Row(ref.name, REMAT_COMPILED, f"f={fraction:g}: remat optimal's plan", COMPILED,
+                   budget_fraction=fraction, predicted_peak_bytes=plan.predicted_peak_bytes)
+
+    row = fresh()
+    model = remat.apply_plan(copy.deepcopy(pristine), plan)
+    try:
+        with activation_memory_budget(1.0):
+            run_compiled(row, ref, model, repeats, warmup)
+    # Dynamo and inductor can raise almost anything (Unsupported, BackendCompilerFailed,
+    # InternalTorchDynamoError, RuntimeError from a generated kernel...): whichever it
+    # is, it is this row's result, recorded in its note, and the benchmark goes on.
+    except Exception as exc:
+        print(f"!! {ref.name} {REMAT_COMPILED} f={fraction:g} failed:\n"
+              f"{traceback.format_exc()}", flush=True)
+        row = fresh()
+        row.note = f"compile failed: {exception_text(exc)}"
+    return row
+
+
+def exception_text(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, shortened and safe in a markdown table cell."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def run_guarded(label: str, fn: Callable[[], Any], failures: list[str]) -> Any:
@@ -459,8 +564,27 @@ def peer_variants(ref: ReferenceModel, pristine: nn.Module) -> tuple[list[Varian
     return variants, not_applicable
 
 
+def compiled_rows(ref: ReferenceModel, pristine: nn.Module, fractions: Sequence[float],
+                  plans: dict[float, remat.Plan], repeats: int, warmup: int, remat_compile: bool,
+                  failures: list[str]) -> list[Row]:
+    """torch.compile at budget 1.0 and each fraction, then each remat optimal plan compiled."""
+    jobs: list[tuple[str, Callable[[], Row]]] = [
+        (f"torch.compile budget={f:g}",
+         lambda f=f: measure_compiled(ref, pristine, f, repeats, warmup))
+        for f in (1.0, *fractions)
+    ]
+    if remat_compile:
+        jobs += [(f"{REMAT_COMPILED} f={f:g}",
+                  lambda f=f, plan=plan: measure_remat_compiled(ref, pristine, plan, f, repeats,
+                                                                warmup))
+                 for f, plan in plans.items()]
+    rows = [run_guarded(f"{ref.name} {label}", job, failures) for label, job in jobs]
+    return [row for row in rows if row is not None]
+
+
 def run_model(name: str, sizes: dict[str, Any], fractions: Sequence[float], repeats: int,
-              warmup: int, compile_: bool, failures: list[str]) -> ModelResult:
+              warmup: int, compile_: bool, remat_compile: bool,
+              failures: list[str]) -> ModelResult:
     """Measure every method on one model."""
     overrides = dict(sizes)
     size = overrides.pop("size", "small")
@@ -487,12 +611,10 @@ def run_model(name: str, sizes: dict[str, Any], fractions: Sequence[float], repe
         run_guarded(f"{name} {v.method} teardown", v.teardown, failures)
     rows = measured + rows
     if compile_:
-        for f in (1.0, *fractions):
-            row = run_guarded(f"{name} torch.compile budget={f:g}",
-                              lambda f=f: measure_compiled(ref, pristine, f, repeats, warmup),
+        plans = {v.budget_fraction: v.plan for v in ours if v.method == "remat optimal"
+                 and v.budget_fraction is not None and v.plan is not None}
+        rows += compiled_rows(ref, pristine, fractions, plans, repeats, warmup, remat_compile,
                               failures)
-            if row is not None:
-                rows.append(row)
     rows.sort(key=lambda r: METHOD_ORDER.index(r.method))  # stable: settings keep their order
     finish_rows(rows, budgets)
     return ModelResult(name, ref.description, profile.n, profile.fixed_bytes,
@@ -504,7 +626,7 @@ def finish_rows(rows: list[Row], budgets: dict[float, int]) -> None:
     """Fill in budgets, overheads and which budgets each row meets."""
     eager_ref = next((r.step_ms for r in rows if r.method == "none"), None)
     compiled_ref = next((r.step_ms for r in rows
-                         if r.family == COMPILED and r.budget_fraction is None), None)
+                         if r.method == "torch.compile" and r.budget_fraction is None), None)
     for row in rows:
         if row.budget_fraction is not None:
             row.budget_bytes = budgets.get(row.budget_fraction)
@@ -565,7 +687,11 @@ def model_table(res: ModelResult) -> list[str]:
 
 @dataclass(frozen=True)
 class Ratio:
-    """remat optimal's step time against the fastest peer meeting the same budget."""
+    """remat optimal's step time against the fastest peer meeting the same budget.
+
+    ``best`` is the faster of remat optimal (eager) and remat optimal + torch.compile
+    among those that meet the budget.
+    """
 
     model: str
     fraction: float
@@ -573,6 +699,7 @@ class Ratio:
     ours: Row | None
     peer: Row | None
     eager_peer: Row | None
+    best: Row | None = None
 
     @property
     def remat_ms(self) -> float | None:
@@ -598,6 +725,14 @@ class Ratio:
     def eager_cpu_ratio(self) -> float | None:
         return _ratio(self.ours, self.eager_peer, "step_cpu_ms")
 
+    @property
+    def best_ratio(self) -> float | None:
+        return _ratio(self.best, self.peer, "step_ms")
+
+    @property
+    def best_cpu_ratio(self) -> float | None:
+        return _ratio(self.best, self.peer, "step_cpu_ms")
+
 
 def _ratio(a: Row | None, b: Row | None, column: str) -> float | None:
     """``a.column / b.column``, or None when either is missing."""
@@ -618,25 +753,35 @@ def ratios(res: ModelResult) -> list[Ratio]:
     eager_peers = [r for r in peers if r.family == EAGER]
     out = []
     for f, budget in res.budgets.items():
-        ours = next((r for r in res.rows
-                     if r.method == "remat optimal" and r.budget_fraction == f), None)
-        out.append(Ratio(res.name, f, budget, ours, fastest(peers, f), fastest(eager_peers, f)))
+        ours, ours_compiled = (next((r for r in res.rows
+                                     if r.method == method and r.budget_fraction == f), None)
+                               for method in ("remat optimal", REMAT_COMPILED))
+        best = fastest([r for r in (ours, ours_compiled) if r is not None], f)
+        out.append(Ratio(res.name, f, budget, ours, fastest(peers, f), fastest(eager_peers, f),
+                         best))
     return out
 
 
 NO_EAGER = "no eager peer meets it"
+NO_REMAT = "neither meets it"
 
 
 def _fmt(x: float | None, spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
 
-def _peer_cells(peer: Row | None, wall: float | None, cpu: float | None, none_text: str) -> str:
+def _peer_cells(peer: Row | None, wall: float | None, cpu: float | None, none_text: str,
+                name: Callable[[Row], str] = lambda r: f"{r.method} {r.setting}") -> str:
     """``name | ms | ratio (cpu ratio)`` cells for one peer column group."""
     if peer is None:
         return f"{none_text} | — | —"
-    return (f"{peer.method} {peer.setting} | {_fmt(peer.step_ms, '.0f')} | "
+    return (f"{name(peer)} | {_fmt(peer.step_ms, '.0f')} | "
             f"{_fmt(wall, '.2f')} ({_fmt(cpu, '.2f')})")
+
+
+def _best_name(row: Row) -> str:
+    """Which of remat optimal's two forms was the faster: eager or compiled."""
+    return "+ torch.compile" if row.method == REMAT_COMPILED else "eager"
 
 
 def ratio_table(all_ratios: Sequence[Ratio]) -> list[str]:
@@ -644,8 +789,9 @@ def ratio_table(all_ratios: Sequence[Ratio]) -> list[str]:
     lines = [
         "| model | budget | remat optimal ms (met) | fastest peer meeting it | peer ms | "
         "remat / peer: wall (cpu) | fastest eager peer meeting it | eager peer ms | "
-        "remat / eager peer: wall (cpu) |",
-        "|---|---|---:|---|---:|---:|---|---:|---:|",
+        "remat / eager peer: wall (cpu) | faster remat optimal meeting it (eager or + "
+        "torch.compile) | its ms | it / fastest peer: wall (cpu) |",
+        "|---|---|---:|---|---:|---:|---|---:|---:|---|---:|---:|",
     ]
     for q in all_ratios:
         if q.remat_ms is None:
@@ -655,7 +801,8 @@ def ratio_table(all_ratios: Sequence[Ratio]) -> list[str]:
         lines.append(
             f"| {q.model} | {q.fraction:.0%} ({mib(q.budget_bytes)} MiB) | {ours} | "
             f"{_peer_cells(q.peer, q.ratio, q.cpu_ratio, 'no peer meets it')} | "
-            f"{_peer_cells(q.eager_peer, q.eager_ratio, q.eager_cpu_ratio, NO_EAGER)} |"
+            f"{_peer_cells(q.eager_peer, q.eager_ratio, q.eager_cpu_ratio, NO_EAGER)} | "
+            f"{_peer_cells(q.best, q.best_ratio, q.best_cpu_ratio, NO_REMAT, _best_name)} |"
         )
     return lines
 
@@ -703,11 +850,13 @@ METHOD_NOTES = [
     "The allocator figure is what a GPU's `max_memory_allocated` corresponds to; it is "
     "usually a little higher than the dispatch figure.",
     "- **met**: eager methods are judged on the dispatch figure (the instrument remat "
-    "plans with); torch.compile on the allocator figure, because the dispatch meter "
+    "plans with); compiled ones (torch.compile, remat optimal + torch.compile) on the "
+    "allocator figure, because the dispatch meter "
     "cannot see compiled code (under a dispatch mode a compiled model runs eagerly). "
     "Methods without a budget of their own list the budgets they meet.",
     "- **Overhead** is against the same family's reference: eager methods against eager "
-    "no checkpointing, torch.compile against torch.compile at budget 1.0.",
+    "no checkpointing, compiled ones (remat optimal + torch.compile included) against "
+    "torch.compile at budget 1.0.",
     "- **Step ms**: median wall time of the timed steps after warm-up (forward + backward, "
     "no optimizer), with torch's intra-op threads set by `--threads` (default 1: on a "
     "shared 2-core machine a 2-thread step runs at half speed whenever another process "
@@ -722,6 +871,16 @@ METHOD_NOTES = [
     "- **torch.compile budget=f** is `torch._functorch.config.activation_memory_budget`: a "
     "fraction of the compiled graph's own saved activations, not of remat's budget; its "
     "row is judged against remat's budget at the same f.",
+    "- **remat optimal + torch.compile f** is the remat optimal plan of the same f, "
+    "applied with `remat.apply_plan` to a fresh copy which is then `torch.compile`d at the "
+    "default `activation_memory_budget` (1.0: inductor adds no recomputation of its own, "
+    "the checkpointing is remat's). It is measured like the torch.compile rows (allocator "
+    "peak, compile time in the note, dynamo reset before each compile). Units under "
+    "checkpoint/selective are traced into the graph; a plan's multi-unit segments run "
+    "eagerly inside the compiled model (`torch.compiler.disable`), so the note counts the "
+    "graphs and graph breaks. *predicted* is remat's figure for the eager plan; compiled "
+    "kernels may allocate otherwise. Only budgets where remat optimal is feasible have "
+    "a row; a plan that fails to compile gets a row whose note gives the exception.",
 ]
 
 
@@ -750,7 +909,12 @@ def write_markdown(path: Path, head: list[str], results: Sequence[ModelResult],
               "steps run "
               "different kernels "
               "(faster or slower, by model), so the eager-only column is the like-for-like "
-              "comparison of checkpointing plans.", "", *ratio_table(all_ratios), ""]
+              "comparison of checkpointing plans. The last column group is the compiled "
+              "counterpart: the faster of remat optimal (eager) and remat optimal + "
+              "torch.compile, each counted only if it meets the budget (compiled: on the "
+              "allocator figure), against the fastest peer meeting it (any peer), so a "
+              "compiled torch.compile peer faces a compiled remat plan.", "",
+              *ratio_table(all_ratios), ""]
     if failures:
         lines += ["## Failures", "", "```", *"\n".join(failures).splitlines(), "```", ""]
     text = "\n".join(lines)
@@ -778,13 +942,16 @@ def write_csv(path: Path, results: Sequence[ModelResult]) -> None:
 
 MARKERS = {"none": ("s", "tab:gray"), "remat optimal": ("*", "tab:blue"),
            "remat chen": ("P", "tab:cyan"), "checkpoint_sequential": ("o", "tab:red"),
-           "HF gradient checkpointing": ("D", "tab:orange"), "torch.compile": ("^", "tab:purple")}
+           "HF gradient checkpointing": ("D", "tab:orange"), "torch.compile": ("^", "tab:purple"),
+           REMAT_COMPILED: ("X", "tab:green")}
 
 
 def point_label(row: Row) -> str:
     """A short label for a plotted point."""
     if row.method == "remat optimal":
         return row.setting.split(":")[0]
+    if row.method == REMAT_COMPILED:
+        return "c " + row.setting.split(":")[0]
     if row.method == "torch.compile":
         return "c " + row.setting.removeprefix("budget=")
     return {"none": "none", "remat chen": "chen", "HF gradient checkpointing": "HF"}.get(
@@ -849,7 +1016,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="torch intra-op threads (default %(default)s: on a shared 2-core machine "
                         "a 2-thread step runs at half speed whenever another process holds a "
                         "core, which made timings bimodal; one thread is steadier)")
-    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip torch.compile (the peer and remat optimal + torch.compile)")
+    p.add_argument("--no-remat-compile", action="store_true",
+                   help="skip remat optimal + torch.compile (one compile per feasible budget)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: "
                    "benchmarks/results)")
     args = p.parse_args(argv)
@@ -878,7 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.models:
         res = run_guarded(name, lambda name=name: run_model(
             name, sizes.get(name, {"size": "small"}), args.budgets, args.repeats, args.warmup,
-            not args.no_compile, failures), failures)
+            not args.no_compile, not args.no_remat_compile, failures), failures)
         if res is not None:
             results.append(res)
     all_ratios = [q for res in results for q in ratios(res)]

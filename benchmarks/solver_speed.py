@@ -21,13 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from remat.errors import RematError
 from remat.solver.dp import min_peak_bytes, solve_dp
 from remat.solver.ilp import solve_ilp
 from remat.solver.plan import Plan
 from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
 from remat.solver.simulate import simulate
-
-from remat.errors import RematError
 
 log = logging.getLogger("solver_speed")
 
