@@ -73,11 +73,7 @@ def _plan_rows(profile: Any, plan: Any) -> list[dict[str, Any]]:
     rows = []
     for unit, decision in zip(profile.units, plan.decisions()):
         cost = unit.options[decision["option"]]
-        held = (
-            cost.held_bytes
-            + (unit.input_bytes if cost.holds_input else 0)
-            + (unit.output_bytes if cost.holds_output else 0)
-        )
+        held = unit.held_bytes(decision["option"])
         rows.append(
             {
                 "unit": unit.name,

@@ -130,11 +130,20 @@ class UnitProfile:
     def keep(self) -> OptionCost:
         return self.options[Option.KEEP.value]
 
+    def held_bytes(self, option: str) -> int:
+        """Bytes the unit holds until its backward under ``option``, its own boundaries included."""
+        cost = self.options[option]
+        return (
+            cost.held_bytes
+            + (self.input_bytes if cost.holds_input else 0)
+            + (self.output_bytes if cost.holds_output else 0)
+        )
+
     # The figures the issue names, derived from ``keep``.
     @property
     def saved_bytes(self) -> int:
         """Bytes autograd holds for this unit's backward when it is not checkpointed."""
-        return self.keep.held_bytes + self.saved_input_bytes + self.saved_output_bytes
+        return self.held_bytes(Option.KEEP.value)
 
     @property
     def saved_input_bytes(self) -> int:
@@ -277,11 +286,7 @@ class Profile:
             for name, c in u.options.items():
                 if name == Option.KEEP.value:
                     continue
-                row[f"{name}_held_bytes"] = (
-                    c.held_bytes
-                    + (u.input_bytes if c.holds_input else 0)
-                    + (u.output_bytes if c.holds_output else 0)
-                )
+                row[f"{name}_held_bytes"] = u.held_bytes(name)
                 row[f"{name}_extra_ms"] = c.extra_ms
             rows.append(row)
         return pd.DataFrame(rows)
