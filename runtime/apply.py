@@ -81,6 +81,8 @@ class _RematState:
         runner = self.runner
         if runner is not None:
             if index in runner.segment_of and option_is_active(module, option):
+                if torch.compiler.is_compiling():
+                    return runner.call_ahead(index, self.original_forward, args, kwargs)
                 return _eager_segment_call(self, index, args, kwargs)
             if runner.is_open:  # anything that does not continue a segment ends it
                 _eager_segment_close(runner)
@@ -130,10 +132,12 @@ class _SegmentGuard:
             _eager_segment_close(self.runner)
 
 
-# Segments drive torch's checkpoint generator and saved-tensor hooks across several
-# calls, which torch.compile cannot trace; these run eagerly (a graph break per
-# segment unit) and everything else is compiled as usual. Wrapped lazily: importing
-# torch._dynamo is slow and most plans have no segments.
+# Eagerly, segments drive torch's checkpoint generator and saved-tensor hooks across
+# several calls, which torch.compile cannot trace. While compiling, ``call`` takes
+# the traceable run-ahead path instead (``SegmentRunner.call_ahead``); these eager
+# entry points are still wrapped in ``torch.compiler.disable`` so that a frame dynamo
+# falls back on (a segment that cannot run ahead) does not trace them. Wrapped
+# lazily: importing torch._dynamo is slow and most plans have no segments.
 # The original forward is looked up on the eager side: a bound method handed across
 # the compile boundary is rebuilt by torch.compile as ``module.forward``, which is
 # the planned wrapper itself.
@@ -180,6 +184,12 @@ def apply_plan(model: ModuleT, plan: Plan) -> ModuleT:
     between them saves nothing for backward. ``nn.Sequential`` and
     ``for block in blocks: x = block(x, ...)`` loops (Hugging Face models included)
     do; otherwise a ``RematError`` says which units break the chain.
+
+    Under ``torch.compile`` the whole planned model is one graph: each option and
+    each segment becomes a traced checkpoint region. A segment then runs *ahead*
+    from its first unit with that unit's other arguments, which the later units'
+    calls must repeat (as the loops above do); where they differ, the forward is
+    refused while tracing and torch.compile runs it eagerly, with the same result.
 
     Checkpointed units of Hugging Face models run with ``use_cache=False`` and no
     KV cache in training, as with Hugging Face's own gradient checkpointing.

@@ -22,11 +22,21 @@ while the forward runs:
 
 Either violation raises :class:`~remat.errors.RematError`, and the region is
 closed so no saved-tensor hooks are left behind.
+
+Under ``torch.compile`` the generator cannot be traced (its saved-tensor hooks
+would break the graph at every unit). There the segment runs *ahead*: the call of
+its first unit runs all of its units, chained, inside one
+``torch.utils.checkpoint.checkpoint`` call, which the compiler traces as one
+recomputation region; the model's calls of the later units then receive the
+outputs already computed. That is only the same computation when every later unit
+is called with the previous unit's output and otherwise the same arguments as the
+first, which each later call checks (a ``RematError`` names the unit otherwise).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -313,10 +323,12 @@ class SegmentRunner:
             i: (a, b) for a, b in segments for i in range(a, b + 1)
         }
         self._open: _OpenSegment | None = None
+        self._ahead: _Ahead | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = None
+        state["_ahead"] = None
         return state
 
     @property
@@ -325,6 +337,7 @@ class SegmentRunner:
 
     def close(self) -> None:
         """Close the open segment, if any (the forward ended, or something else runs now)."""
+        self._ahead = None
         seg, self._open = self._open, None
         if seg is not None:
             logger.debug("remat: segment %s closed after unit %s", seg.bounds, seg.last_index)
@@ -371,3 +384,129 @@ class SegmentRunner:
         if finished:
             self._open = None
         return output
+
+    # -- under torch.compile -------------------------------------------------------
+    def call_ahead(
+        self,
+        index: int,
+        forward_of: Callable[[int], Callable[..., Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run unit ``index`` of a segment the traceable way (see the module docstring).
+
+        The first unit's call runs the whole segment in one checkpoint region;
+        each later unit's call checks that it continues the chain with the same
+        other arguments and returns the output computed for it.
+        """
+        a, b = bounds = self.segment_of[index]
+        args, kwargs = without_kv_cache(self.modules[index], args, kwargs)
+        ahead = self._ahead
+        if ahead is not None and ahead.bounds == bounds and index == ahead.next_index:
+            return self._hand_out(ahead, index, args, kwargs)
+        self._ahead = None
+        if index != a:
+            raise RematError(
+                f"unit '{self.names[index]}' of segment {a}-{b} was called without the "
+                f"segment's earlier units running just before it; under torch.compile a "
+                f"segment runs from its first unit '{self.names[a]}', so it cannot be used "
+                "here (use a plan without this segment)"
+            )
+        located = _first_tensor_argument(args, kwargs)
+        if located is None:
+            raise RematError(
+                f"unit '{self.names[index]}' starts segment {a}-{b} but was called "
+                "without a tensor argument to hold and recompute from; segments cannot "
+                "be used here"
+            )
+        slot, first_input = located
+        run = functools.partial(
+            _run_chained,
+            tuple(forward_of(k) for k in range(a, b + 1)),
+            tuple(self.names[a : b + 1]),
+            _UnitCall(forward_of(a), args, kwargs, slot),
+        )
+        context_fn = checkpoint_context_fn(self.modules[a : b + 1], _CHECKPOINT)
+        extra = {} if context_fn is None else {"context_fn": context_fn}
+        outputs = _ckpt.checkpoint(run, first_input, use_reentrant=False, **extra)
+        if b > a:
+            self._ahead = _Ahead(bounds, args, kwargs, slot, outputs)
+        return outputs[0]
+
+    def _hand_out(
+        self, ahead: _Ahead, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        a, b = ahead.bounds
+        expected = first_tensor(ahead.outputs[index - a - 1])
+        chained = args[ahead.slot] if isinstance(ahead.slot, int) else kwargs.get(ahead.slot)
+        if chained is not expected or not _same_arguments(ahead, args, kwargs):
+            self._ahead = None
+            raise RematError(
+                f"unit '{self.names[index]}' of segment {a}-{b} was not called with the "
+                f"output of '{self.names[index - 1]}' and otherwise the same arguments as "
+                f"'{self.names[a]}'; under torch.compile a segment's units run ahead with "
+                "the first unit's arguments, so this segment cannot be used here (use a plan "
+                "without it, e.g. option 'checkpoint' for each unit)"
+            )
+        ahead.next_index = index + 1
+        if index == b:
+            self._ahead = None
+        return ahead.outputs[index - a]
+
+
+class _Ahead:
+    """A segment run ahead under torch.compile: its units' outputs, handed out in order."""
+
+    def __init__(
+        self,
+        bounds: tuple[int, int],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        slot: Slot,
+        outputs: tuple[Any, ...],
+    ) -> None:
+        self.bounds = bounds
+        self.args = args
+        self.kwargs = kwargs
+        self.slot = slot
+        self.outputs = outputs
+        self.next_index = bounds[0] + 1
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """Tensors and other objects by identity; plain Python values by equality."""
+    if x is y:
+        return True
+    plain = (bool, int, float, str, type(None))
+    return isinstance(x, plain) and isinstance(y, plain) and type(x) is type(y) and x == y
+
+
+def _same_arguments(ahead: _Ahead, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a later unit's call matches the first unit's, its chained slot aside."""
+    if len(args) != len(ahead.args) or kwargs.keys() != ahead.kwargs.keys():
+        return False
+    slot = ahead.slot
+    return all(
+        _same_value(x, y) for i, (x, y) in enumerate(zip(args, ahead.args)) if i != slot
+    ) and all(_same_value(v, ahead.kwargs[k]) for k, v in kwargs.items() if k != slot)
+
+
+def _run_chained(
+    forwards: tuple[Callable[..., Any], ...],
+    names: tuple[str, ...],
+    first: _UnitCall,
+    x: torch.Tensor,
+) -> tuple[Any, ...]:
+    """The units of a segment run ahead: each takes the previous one's first tensor output."""
+    outputs = []
+    for k, forward in enumerate(forwards):
+        out = dataclasses.replace(first, forward=forward).call(x)
+        outputs.append(out)
+        nxt = first_tensor(out)
+        if nxt is None and k < len(forwards) - 1:
+            raise RematError(
+                f"unit '{names[k]}' returned no tensor, so it cannot be chained into "
+                f"'{names[k + 1]}'; segments cannot be used for it"
+            )
+        x = nxt
+    return tuple(outputs)
