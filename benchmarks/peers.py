@@ -20,7 +20,7 @@ Every method runs on its own deep copy of one pristine model, with the same batc
 Peaks include the persistent bytes (parameters, buffers and, allocated in the
 step, gradients). Two instruments: the dispatch-level meter
 (:class:`remat.meter.MemoryMeter`, remat's own; blind to compiled code) and the
-allocator view (``benchmarks/allocator.py``). "Budget met" uses the dispatch
+allocator view (``remat/allocator.py``). "Budget met" uses the dispatch
 figure for eager methods and the allocator figure for compiled ones (both
 torch.compile and remat optimal + torch.compile).
 
@@ -66,10 +66,8 @@ import torch._functorch.config  # must be imported before activation_memory_budg
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allocator import allocator_peak  # benchmarks/ is not a package
-
 import remat
+from remat.allocator import allocator_peak
 from remat.api import activation_budget
 from remat.errors import InfeasibleBudgetError
 from remat.meter import MemoryMeter, storage_bytes
@@ -846,7 +844,7 @@ METHOD_NOTES = [
     "step) plus everything the step allocates, gradients included (they are dropped "
     "before each measured step). *dispatch*: remat's `MemoryMeter` (live tensor "
     "storages); *allocator*: `torch.profiler` allocation/free events summed in time order "
-    "(`benchmarks/allocator.py`), which also sees kernel scratch buffers and compiled code. "
+    "(`remat/allocator.py`), which also sees kernel scratch buffers and compiled code. "
     "The allocator figure is what a GPU's `max_memory_allocated` corresponds to; it is "
     "usually a little higher than the dispatch figure.",
     "- **met**: eager methods are judged on the dispatch figure (the instrument remat "

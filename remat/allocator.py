@@ -1,4 +1,4 @@
-"""An allocator-level memory instrument for the benchmarks (not part of the library).
+"""An allocator-level memory instrument: what the allocator hands out during a step.
 
 remat's own meter (:class:`remat.meter.MemoryMeter`) counts live tensor storages
 at the dispatch level. Two things escape it:
@@ -10,10 +10,11 @@ at the dispatch level. Two things escape it:
   model falls back to eager, so a dispatch-level meter measures the eager model,
   not the compiled one.
 
-The allocator sees both. On CPU this module reads the allocation and free events
-that ``torch.profiler.profile(profile_memory=True)`` records and sums them in time
-order; the highest running sum is the peak above the bytes allocated when the
-step started. On CUDA the caching allocator keeps the figure itself, so
+The allocator sees both, so :func:`remat.measure` reports this figure beside the
+meter's; for a compiled model it is the one to trust. On CPU this module reads the
+allocation and free events that ``torch.profiler.profile(profile_memory=True)``
+records and sums them in time order; the highest running sum is the peak above the
+bytes allocated when the step started. On CUDA the caching allocator keeps the figure itself, so
 ``torch.cuda.max_memory_allocated`` deltas are used instead (no profiler).
 """
 

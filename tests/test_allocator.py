@@ -1,4 +1,4 @@
-"""The benchmarks' allocator instrument against a hand count.
+"""The allocator instrument (remat.allocator) against a hand count.
 
 The stack: 8 bias-free ``Linear(256, 256)``, an input of 4096 x 256 created
 outside the measured region, loss = ``sum``. With A = 4096*256*4 bytes (one
@@ -22,21 +22,12 @@ gradient: allocator - dispatch = A - W.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
+from remat import allocator
 from remat.meter import MemoryMeter
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "allocator.py"
-_spec = importlib.util.spec_from_file_location("benchmarks_allocator", _PATH)
-allocator = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = allocator
-_spec.loader.exec_module(allocator)
 
 A = 4096 * 256 * 4
 W = 256 * 256 * 4
