@@ -1,8 +1,9 @@
 """Turning the profiler's measurements into a :class:`Profile`.
 
-Unit figures come from the isolated replays (:mod:`.replay`), everything outside
-the units and the boundary storages from the instrumented baseline step
-(:mod:`.instrument`), times from un-metered runs.
+Unit figures come from the isolated replays (:mod:`.replay`) except keep's bytes,
+which the instrumented baseline step gives where it can (:mod:`.instrument`, the
+same figures), everything outside the units and the boundary storages from that
+step, times from un-metered runs.
 
 Times of the prefix and suffix are *derived*: the plain step's forward (backward)
 time minus the units' isolated forward (backward) times, clipped at 0 and split

@@ -21,20 +21,39 @@ them to the units' isolated figures reproduces this step. In particular
 ``held_bytes`` of the prefix/suffix are the storages that code allocated and that
 are still alive when the forward pass ends; off a chain, what the code between
 units holds is folded into the prefix's ``held_bytes``.
+
+On a chain the step also gives each unit's **keep** figures, exactly as an
+isolated metered replay defines them (:func:`~remat.profiler.replay.measure_option`),
+so that replay is not run: its forward peak and held bytes are what the unit
+allocated between its marks, its backward peak what its backward added above
+the live bytes at its start (the output's gradient is already live there, as
+the replay counts it), whether it holds its input / output is whether its own
+code saved that storage, and its input gradient is the one its input's hook sees.
+Where the step cannot tell (a boundary storage the step did not allocate, such as
+the batch, or a backward with one of its two marks missing) the replay runs.
+The figures match the replay's on every reference model and on the test models
+(``tests/profiler/test_profiler_baseline.py`` checks it).
+
+The same step is the capture pass (:class:`~remat.profiler.capture.UnitRecorder`):
+it records the units' order, inputs, RNG states and the chain check. Inputs the
+step allocated are kept as copies (:func:`~remat.profiler.capture.replica`) made
+while the meter looks away, so no storage of the step outlives its normal life.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.errors import ProfileError
+from remat.profiler.capture import OpGaps, UnitRecorder, UnitTrace, replica
+from remat.profiler.replay import OptionFigures
 from remat.profiler.step import LossFn, call_model, compute_loss
 from remat.profiler.tensors import first_tensor_input, first_tensor_output, storage_nbytes
 from remat.profiler.timeline import TimelineMeter
@@ -76,6 +95,32 @@ class BaselineStep:
     forward_transient_bytes: int = 0
     loss_bytes: int = 0
     phase_ms: dict[str, float] = field(default_factory=dict)
+    keep: list[OptionFigures | None] = field(default_factory=list)
+
+
+class _StepMeter(TimelineMeter):
+    """The baseline step's meter. It also counts the ops that run between units (the
+    chain check, :class:`~remat.profiler.capture.OpGaps`), and looks away while the
+    recorder copies a unit's inputs: the copies are the profiler's, not the step's."""
+
+    def __init__(self, *, device_type: str, gaps: OpGaps) -> None:
+        super().__init__(device_type=device_type)
+        self.gaps = gaps
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if self._paused:
+            return func(*args, **(kwargs or {}))
+        self.gaps.count()
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def instrumented_step(
@@ -84,17 +129,25 @@ def instrumented_step(
     loss_fn: LossFn | None,
     units: list[tuple[str, nn.Module]],
     *,
-    is_chain: bool,
     device_type: str,
     optimizer: torch.optim.Optimizer | None = None,
-) -> BaselineStep:
-    """Run one instrumented training step; ``units`` in execution order.
+) -> tuple[BaselineStep, UnitTrace]:
+    """Run one instrumented training step; also the capture pass (:mod:`.capture`).
 
-    Gradients must be ``None`` on entry (they are allocated inside the region).
+    ``units`` in any order: they are numbered in the order they run. The captured
+    inputs are copies where the step allocated them (:func:`~remat.profiler.capture.replica`,
+    made while the meter looks away), so every storage of the step lives exactly as
+    long as without the profiler. Gradients must be ``None`` on entry (they are
+    allocated inside the region).
+
+    Raises:
+        ProfileError: a unit did not run, or ran more than once.
     """
     n = len(units)
-    index = {id(m): i for i, (_, m) in enumerate(units)}
-    meter = TimelineMeter(device_type=device_type)
+    index: dict[int, int] = {}  # id(module) -> position in execution order
+    recorder = UnitRecorder(units, keep=lambda t: replica(t) if meter.record_of(t) is not None
+                            else t.detach())
+    meter = _StepMeter(device_type=device_type, gaps=recorder.gaps)
     clock: dict[str, float] = {}
     fwd_phase: list[Phase] = [("prefix",)]
     in_rec: list[int | None] = [None] * n
@@ -102,6 +155,8 @@ def instrumented_step(
     in_nbytes = [0] * n
     out_nbytes = [0] * n
     saved: list[tuple[Phase, int]] = []
+    in_grad_nbytes = [0] * n
+    needs_bwd = [False] * n  # the unit's first output requires grad
     first_grad_tick: dict[int, int] = {}  # id(param) -> clock at its first gradient
     grad_records: dict[int, int] = {}  # gradient storage record -> tick it is counted from
     handles: list[Any] = []
@@ -111,16 +166,24 @@ def instrumented_step(
         clock[label] = time.perf_counter()
 
     def backward_event(kind: str, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_grad: torch.Tensor) -> None:
+        def hook(grad: torch.Tensor) -> None:
             label = f"{kind}{i}"
             if label not in meter.ticks:
                 mark(label)
+                if kind == "be":
+                    in_grad_nbytes[i] = storage_nbytes(grad)
 
         return hook
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        i = index[id(module)]
-        mark(f"fs{i}")
+        i = index.setdefault(id(module), len(index))
+        first_call = f"fs{i}" not in meter.ticks
+        if first_call:
+            mark(f"fs{i}")
+        with meter.paused():
+            recorder.pre(module, args, kwargs)
+        if not first_call:
+            return  # a unit that runs twice: trace() says so after the step
         fwd_phase[0] = ("unit", i)
         x = first_tensor_input(args, kwargs)
         in_rec[i] = meter.record_of(x)
@@ -130,12 +193,19 @@ def instrumented_step(
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         i = index[id(module)]
-        mark(f"fe{i}")
+        first_call = f"fe{i}" not in meter.ticks
+        if first_call:
+            mark(f"fe{i}")
+        with meter.paused():
+            recorder.post(module, output)
+        if not first_call:
+            return
         fwd_phase[0] = ("between", i) if i < n - 1 else ("suffix",)
         y = first_tensor_output(output)
         out_rec[i] = meter.record_of(y)
         out_nbytes[i] = storage_nbytes(y) if out_rec[i] is not None else 0
-        if y is not None and y.requires_grad:
+        needs_bwd[i] = y is not None and y.requires_grad
+        if needs_bwd[i]:
             handles.append(y.register_hook(backward_event("bs", i)))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -181,17 +251,18 @@ def instrumented_step(
         for h in handles:
             h.remove()
 
-    missing = [name for i, (name, _) in enumerate(units)
-               if f"fs{i}" not in meter.ticks or f"fe{i}" not in meter.ticks]
-    if missing:
-        raise ProfileError(
-            f"units {missing} ran in the first forward pass but not in the second; the "
-            "profiler needs the same units to run on every step with this batch"
-        )
+    trace = recorder.trace()
+    is_chain = trace.chain.is_chain
     figures = _figures(meter, clock, n, is_chain, in_rec, out_rec, in_nbytes, out_nbytes, saved,
                        grad_records)
     figures.loss_bytes = loss_bytes
-    return figures
+    if is_chain:
+        figures.keep = [
+            _keep_figures(meter, i, in_rec[i], out_rec[i], needs_bwd[i], saved, in_grad_nbytes[i],
+                          figures.step_unit_held[i])
+            for i in range(n)
+        ]
+    return figures, trace
 
 
 def _hook_gradient_producers(
@@ -335,3 +406,42 @@ def _backward_phase(meter: TimelineMeter, tick: int) -> Phase:
         elif phase == ("unit", i):
             phase = ("outside", i)
     return phase
+
+
+def _keep_figures(
+    meter: TimelineMeter,
+    i: int,
+    in_rec: int | None,
+    out_rec: int | None,
+    needs_bwd: bool,
+    saved: list[tuple[Phase, int]],
+    in_grad_nbytes: int,
+    held: int,
+) -> OptionFigures | None:
+    """Unit ``i``'s keep figures read off the step, as :func:`~remat.profiler.replay.measure_option`
+    defines them; ``None`` where the step cannot tell.
+
+    It cannot when a boundary storage is not the step's (the batch: whether the unit
+    holds it is not on the timeline); when one outlives the step (something other than
+    autograd holds it, a module caching its output, say: the replay sees that holder,
+    the saved-tensor records do not); or when the backward's marks are not those of
+    the replay's backward: the replay seeds the output's gradient when the output
+    requires grad (both marks then needed, the input's only when it takes a
+    gradient) and runs no backward otherwise (no mark may then appear either).
+    """
+    tick, reading = meter.ticks, meter.readings
+    fs, fe, bs, be = f"fs{i}", f"fe{i}", f"bs{i}", f"be{i}"
+    if in_rec is None or out_rec is None or (bs in tick, be in tick) != (needs_bwd, needs_bwd):
+        return None
+    if meter.records[in_rec].died is None or meter.records[out_rec].died is None:
+        return None
+    own = ("unit", i)
+    bwd_peak = meter.peak_between(bs, be) - reading[bs].live_bytes if needs_bwd else 0
+    return OptionFigures(
+        held_bytes=max(held, 0),
+        holds_input=any(rec == in_rec and phase == own for phase, rec in saved),
+        holds_output=any(rec == out_rec and phase == own for phase, rec in saved),
+        fwd_peak_bytes=meter.peak_between(fs, fe) - reading[fs].live_bytes,
+        bwd_peak_bytes=max(bwd_peak, 0),
+        input_grad_bytes=in_grad_nbytes,
+    )

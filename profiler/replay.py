@@ -1,5 +1,9 @@
 """Isolated replays: one unit, on its captured inputs, under each option.
 
+:func:`measure_option` gives an option's bytes (keep's usually come from the
+baseline step instead: :func:`~remat.profiler.instrument.instrumented_step`
+reads the same figures off it), :func:`time_unit` its times.
+
 Each option runs through :func:`forward_with_option`, exactly as the runtime
 will run it. The unit's first input is a fresh storage allocated *before* the
 meter region (so it is a boundary, not held bytes), and its output's gradient
