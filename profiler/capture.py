@@ -1,8 +1,6 @@
-"""The capture pass: a forward pass that records how the units run.
+"""The capture pass: one forward pass that records how the units run.
 
-``profile()`` records it during its instrumented baseline step (:mod:`.instrument`,
-inputs copied while the meter looks away); :func:`check_chain` runs a forward
-pass of its own. It records:
+It records, without the memory meter:
 
 * the units' execution order, and that each runs exactly once;
 * each unit's inputs (detached, so the graph is not kept), the RNG state it saw,
@@ -15,7 +13,6 @@ pass of its own. It records:
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,17 +26,7 @@ from remat.errors import ProfileError
 from remat.profiler.state import RngState
 from remat.profiler.tensors import first_tensor_input, first_tensor_output, is_hf_cache
 
-__all__ = [
-    "Captured",
-    "ChainCheck",
-    "OpGaps",
-    "UnitCall",
-    "UnitRecorder",
-    "UnitTrace",
-    "check_chain",
-    "replica",
-    "trace_units",
-]
+__all__ = ["Captured", "ChainCheck", "UnitCall", "UnitTrace", "check_chain", "trace_units"]
 
 log = logging.getLogger("remat")
 
@@ -127,19 +114,8 @@ def _warn_kv_cache_once() -> None:
         )
 
 
-def replica(t: torch.Tensor) -> torch.Tensor:
-    """A detached copy of ``t`` on a storage of its own, with the same layout (size,
-    strides, offset into a storage of the same size), so a replay on it runs as on ``t``."""
-    if t.layout != torch.strided:
-        return t.detach().clone()
-    storage = t.untyped_storage().clone()
-    return torch.empty((), dtype=t.dtype, device=t.device).set_(
-        storage, t.storage_offset(), t.size(), t.stride()
-    )
-
-
-def _capture(value: Any, keep: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Every tensor through ``keep`` (its graph dropped); Hugging Face caches dropped."""
+def _capture(value: Any) -> Any:
+    """Detach every tensor (keeping storage, not graph); drop Hugging Face caches."""
     if is_hf_cache(value):
         # A KV cache is mutated by every call: a replay on the captured one would
         # attend over the keys appended by the first run. Replays run without one
@@ -149,125 +125,25 @@ def _capture(value: Any, keep: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return None
     leaves, spec = tree_flatten(value)
     leaves = [
-        Captured(keep(t), t.requires_grad) if isinstance(t, torch.Tensor) else t
+        Captured(t.detach(), t.requires_grad) if isinstance(t, torch.Tensor) else t
         for t in leaves
     ]
     return tree_unflatten(leaves, spec)
 
 
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    return t.detach()
-
-
-@dataclass
-class OpGaps:
+class _OpCounter(TorchDispatchMode):
     """Counts aten ops that run while no unit is running, per gap between units."""
 
-    depth: int = 0  # > 0 while a unit (or the recorder's own work) runs
-    gap: int = 0  # units finished so far: gap i lies between unit i-1 and unit i
-    ops: dict[int, int] = field(default_factory=dict)
-
-    def count(self) -> None:
-        """One op ran (counted only outside the units)."""
-        if self.depth == 0:
-            self.ops[self.gap] = self.ops.get(self.gap, 0) + 1
-
-
-class _OpCounter(TorchDispatchMode):
-    """A dispatch mode that only feeds :class:`OpGaps`."""
-
-    def __init__(self, gaps: OpGaps) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.gaps = gaps
+        self.depth = 0  # > 0 while a unit (or one of our own hooks) runs
+        self.gap = 0  # units finished so far: gap i lies between unit i-1 and unit i
+        self.ops: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.gaps.count()
+        if self.depth == 0:
+            self.ops[self.gap] = self.ops.get(self.gap, 0) + 1
         return func(*args, **(kwargs or {}))
-
-
-class UnitRecorder:
-    """What the capture hooks record: call :meth:`pre` / :meth:`post` from a unit's
-    forward pre-hook / hook, with :attr:`gaps` fed by a dispatch mode, then :meth:`trace`.
-
-    ``keep`` turns a unit's input tensor into the one kept for the replays: a
-    detached alias by default (it keeps the storage alive), or a :func:`replica`
-    where the storage must die as it would (a metered step).
-    """
-
-    def __init__(
-        self,
-        units: list[tuple[str, nn.Module]],
-        keep: Callable[[torch.Tensor], torch.Tensor] = _detached,
-    ) -> None:
-        self.calls = {name: UnitCall(name, module) for name, module in units}
-        self._by_module = {id(module): self.calls[name] for name, module in units}
-        self._keep = keep
-        self.gaps = OpGaps()
-        self.order: list[str] = []
-        self.breaks: list[str] = []
-        # A weak reference: following the previous output must not keep it alive.
-        self._prev_output: weakref.ref | None = None
-
-    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
-        """A unit starts; returns whether this is its first call."""
-        call = self._by_module[id(module)]
-        self.gaps.depth += 1  # our own detach() calls are not model code
-        call.calls += 1
-        if call.calls > 1:
-            return False
-        self.order.append(call.name)
-        first = first_tensor_input(args, kwargs)
-        if len(self.order) > 1:
-            prev_name = self.order[-2]
-            prev = self._prev_output() if self._prev_output is not None else None
-            if first is None or first is not prev:
-                self.breaks.append(f"{call.name!r}'s first input is not {prev_name!r}'s output")
-            ops = self.gaps.ops.get(self.gaps.gap, 0)
-            if ops:
-                self.breaks.append(f"{ops} op(s) run between {prev_name!r} and {call.name!r}")
-        call.args = tuple(_capture(a, self._keep) for a in args)
-        call.kwargs = {k: _capture(v, self._keep) for k, v in kwargs.items()}
-        call.rng = RngState.capture()
-        return True
-
-    def post(self, module: nn.Module, output: Any) -> None:
-        """A unit's forward returned ``output``."""
-        call = self._by_module[id(module)]
-        self.gaps.depth -= 1
-        self.gaps.gap += 1
-        if call.calls > 1:
-            return
-        out = first_tensor_output(output)
-        self._prev_output = weakref.ref(out) if out is not None else None
-        if out is not None:
-            call.out_shape = tuple(out.shape)
-            call.out_dtype = out.dtype
-            call.out_device = out.device
-            call.out_requires_grad = out.requires_grad
-
-    def trace(self) -> UnitTrace:
-        """The order, calls and chain check.
-
-        Raises:
-            ProfileError: a unit did not run, or ran more than once in one forward.
-        """
-        self._prev_output = None
-        missing = [name for name, c in self.calls.items() if c.calls == 0]
-        if missing:
-            raise ProfileError(
-                f"units {missing} did not run in the forward pass; every unit must run exactly "
-                "once (choose units= among the modules the forward calls)"
-            )
-        repeated = {name: c.calls for name, c in self.calls.items() if c.calls > 1}
-        if repeated:
-            raise ProfileError(
-                f"units ran more than once in one forward pass: {repeated}; a unit must run "
-                "exactly once (recurrent reuse of a module is unsupported): choose other units="
-            )
-        chain = ChainCheck(not self.breaks, tuple(self.breaks))
-        if self.breaks:
-            log.info("units do not form a chain: %s", "; ".join(self.breaks[:3]))
-        return UnitTrace(self.order, self.calls, chain)
 
 
 def trace_units(
@@ -282,25 +158,75 @@ def trace_units(
     Raises:
         ProfileError: a unit did not run, or ran more than once in one forward.
     """
-    recorder = UnitRecorder(units)
+    calls = {name: UnitCall(name, module) for name, module in units}
+    by_module = {id(module): calls[name] for name, module in units}
+    order: list[str] = []
+    breaks: list[str] = []
+    counter = _OpCounter()
+    prev_output: list[torch.Tensor | None] = [None]
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        recorder.pre(module, args, kwargs)
+        call = by_module[id(module)]
+        counter.depth += 1  # our own detach() calls are not model code
+        call.calls += 1
+        if call.calls > 1:
+            return
+        order.append(call.name)
+        first = first_tensor_input(args, kwargs)
+        if len(order) > 1:
+            prev = order[-2]
+            if first is None or first is not prev_output[0]:
+                breaks.append(f"{call.name!r}'s first input is not {prev!r}'s output")
+            if counter.ops.get(counter.gap, 0):
+                breaks.append(
+                    f"{counter.ops[counter.gap]} op(s) run between {prev!r} and {call.name!r}"
+                )
+        call.args = tuple(_capture(a) for a in args)
+        call.kwargs = {k: _capture(v) for k, v in kwargs.items()}
+        call.rng = RngState.capture()
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        recorder.post(module, output)
+        call = by_module[id(module)]
+        counter.depth -= 1
+        counter.gap += 1
+        if call.calls > 1:
+            return
+        out = first_tensor_output(output)
+        prev_output[0] = out
+        if out is not None:
+            call.out_shape = tuple(out.shape)
+            call.out_dtype = out.dtype
+            call.out_device = out.device
+            call.out_requires_grad = out.requires_grad
 
     handles = []
     try:
         for _, module in units:
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
-        with _OpCounter(recorder.gaps):
+        with counter:
             run_forward()
     finally:
         for h in handles:
             h.remove()
-    return recorder.trace()
+        prev_output[0] = None
+
+    missing = [name for name, c in calls.items() if c.calls == 0]
+    if missing:
+        raise ProfileError(
+            f"units {missing} did not run in the forward pass; every unit must run exactly once "
+            "(choose units= among the modules the forward calls)"
+        )
+    repeated = {name: c.calls for name, c in calls.items() if c.calls > 1}
+    if repeated:
+        raise ProfileError(
+            f"units ran more than once in one forward pass: {repeated}; a unit must run exactly "
+            "once (recurrent reuse of a module is unsupported): choose other units="
+        )
+    chain = ChainCheck(not breaks, tuple(breaks))
+    if breaks:
+        log.info("units do not form a chain: %s", "; ".join(breaks[:3]))
+    return UnitTrace(order, calls, chain)
 
 
 def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None) -> ChainCheck:

@@ -24,35 +24,28 @@ units holds is folded into the prefix's ``held_bytes``.
 
 On a chain the step also gives each unit's **keep** figures, exactly as an
 isolated metered replay defines them (:func:`~remat.profiler.replay.measure_option`),
-so that replay is not run: its forward peak and held bytes are what the unit
-allocated between its marks, its backward peak what its backward added above
-the live bytes at its start (the output's gradient is already live there, as
-the replay counts it), whether it holds its input / output is whether its own
-code saved that storage, and its input gradient is the one its input's hook sees.
-Where the step cannot tell (a boundary storage the step did not allocate, such as
-the batch, or a backward with one of its two marks missing) the replay runs.
-The figures match the replay's on every reference model and on the test models
+so that replay need not run: its forward peak and held bytes are what the unit
+allocated between its marks, its backward peak what its backward added above the
+live bytes at its start (the output's gradient is already live there, as the
+replay counts it), whether it holds its input / output is whether its own code
+saved that storage, and its input gradient is the one its input's hook sees.
+Where the step cannot tell (see :func:`_keep_figures`) the replay runs. The
+figures equal the replay's on every reference model and on the test models
 (``tests/profiler/test_profiler_baseline.py`` checks it).
-
-The same step is the capture pass (:class:`~remat.profiler.capture.UnitRecorder`):
-it records the units' order, inputs, RNG states and the chain check. Inputs the
-step allocated are kept as copies (:func:`~remat.profiler.capture.replica`) made
-while the meter looks away, so no storage of the step outlives its normal life.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.profiler.capture import OpGaps, UnitRecorder, UnitTrace, replica
+from remat.errors import ProfileError
 from remat.profiler.replay import OptionFigures
 from remat.profiler.step import LossFn, call_model, compute_loss
 from remat.profiler.tensors import first_tensor_input, first_tensor_output, storage_nbytes
@@ -95,32 +88,7 @@ class BaselineStep:
     forward_transient_bytes: int = 0
     loss_bytes: int = 0
     phase_ms: dict[str, float] = field(default_factory=dict)
-    keep: list[OptionFigures | None] = field(default_factory=list)
-
-
-class _StepMeter(TimelineMeter):
-    """The baseline step's meter. It also counts the ops that run between units (the
-    chain check, :class:`~remat.profiler.capture.OpGaps`), and looks away while the
-    recorder copies a unit's inputs: the copies are the profiler's, not the step's."""
-
-    def __init__(self, *, device_type: str, gaps: OpGaps) -> None:
-        super().__init__(device_type=device_type)
-        self.gaps = gaps
-        self._paused = False
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if self._paused:
-            return func(*args, **(kwargs or {}))
-        self.gaps.count()
-        return super().__torch_dispatch__(func, types, args, kwargs)
+    keep: list[OptionFigures | None] = field(default_factory=list)  # on a chain, per unit
 
 
 def instrumented_step(
@@ -129,25 +97,17 @@ def instrumented_step(
     loss_fn: LossFn | None,
     units: list[tuple[str, nn.Module]],
     *,
+    is_chain: bool,
     device_type: str,
     optimizer: torch.optim.Optimizer | None = None,
-) -> tuple[BaselineStep, UnitTrace]:
-    """Run one instrumented training step; also the capture pass (:mod:`.capture`).
+) -> BaselineStep:
+    """Run one instrumented training step; ``units`` in execution order.
 
-    ``units`` in any order: they are numbered in the order they run. The captured
-    inputs are copies where the step allocated them (:func:`~remat.profiler.capture.replica`,
-    made while the meter looks away), so every storage of the step lives exactly as
-    long as without the profiler. Gradients must be ``None`` on entry (they are
-    allocated inside the region).
-
-    Raises:
-        ProfileError: a unit did not run, or ran more than once.
+    Gradients must be ``None`` on entry (they are allocated inside the region).
     """
     n = len(units)
-    index: dict[int, int] = {}  # id(module) -> position in execution order
-    recorder = UnitRecorder(units, keep=lambda t: replica(t) if meter.record_of(t) is not None
-                            else t.detach())
-    meter = _StepMeter(device_type=device_type, gaps=recorder.gaps)
+    index = {id(m): i for i, (_, m) in enumerate(units)}
+    meter = TimelineMeter(device_type=device_type)
     clock: dict[str, float] = {}
     fwd_phase: list[Phase] = [("prefix",)]
     in_rec: list[int | None] = [None] * n
@@ -176,14 +136,8 @@ def instrumented_step(
         return hook
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        i = index.setdefault(id(module), len(index))
-        first_call = f"fs{i}" not in meter.ticks
-        if first_call:
-            mark(f"fs{i}")
-        with meter.paused():
-            recorder.pre(module, args, kwargs)
-        if not first_call:
-            return  # a unit that runs twice: trace() says so after the step
+        i = index[id(module)]
+        mark(f"fs{i}")
         fwd_phase[0] = ("unit", i)
         x = first_tensor_input(args, kwargs)
         in_rec[i] = meter.record_of(x)
@@ -193,13 +147,7 @@ def instrumented_step(
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         i = index[id(module)]
-        first_call = f"fe{i}" not in meter.ticks
-        if first_call:
-            mark(f"fe{i}")
-        with meter.paused():
-            recorder.post(module, output)
-        if not first_call:
-            return
+        mark(f"fe{i}")
         fwd_phase[0] = ("between", i) if i < n - 1 else ("suffix",)
         y = first_tensor_output(output)
         out_rec[i] = meter.record_of(y)
@@ -251,8 +199,13 @@ def instrumented_step(
         for h in handles:
             h.remove()
 
-    trace = recorder.trace()
-    is_chain = trace.chain.is_chain
+    missing = [name for i, (name, _) in enumerate(units)
+               if f"fs{i}" not in meter.ticks or f"fe{i}" not in meter.ticks]
+    if missing:
+        raise ProfileError(
+            f"units {missing} ran in the first forward pass but not in the second; the "
+            "profiler needs the same units to run on every step with this batch"
+        )
     figures = _figures(meter, clock, n, is_chain, in_rec, out_rec, in_nbytes, out_nbytes, saved,
                        grad_records)
     figures.loss_bytes = loss_bytes
@@ -262,7 +215,7 @@ def instrumented_step(
                           figures.step_unit_held[i])
             for i in range(n)
         ]
-    return figures, trace
+    return figures
 
 
 def _hook_gradient_producers(

@@ -3,28 +3,29 @@
 The passes, in order (none changes the model: everything is restored at the end,
 also on error):
 
-1. **optimizer** (when one is given): two steps create its state; the second
+1. **capture** (:mod:`.capture`): one forward pass records the units' order,
+   inputs and RNG states, and whether they form a chain;
+2. **optimizer** (when one is given): two steps create its state; the second
    ``optimizer.step()`` is metered (``optimizer_step_peak_bytes``);
-2. **baseline** (:mod:`.instrument`): one instrumented training step gives the
+3. **baseline** (:mod:`.instrument`): one instrumented training step gives the
    prefix/suffix figures, the boundary flags, the measured peak and, on a chain,
-   every unit's keep bytes. It is also the capture pass (:mod:`.capture`): it
-   records the units' order, inputs and RNG states, and whether they form a chain;
-3. **units** (:mod:`.replay`): each unit replayed alone under each option, once
-   under the meter (except keep when the baseline step gave its bytes), then
+   the units' keep bytes;
+4. **units** (:mod:`.replay`): each unit replayed alone under each option, once
+   under the meter (not keep when the baseline step gave its bytes), then
    ``repeats`` timed times;
-4. **step time**: ``repeats`` timed plain training steps, no meter, no hooks.
+5. **step time**: ``repeats`` timed plain training steps, no meter, no hooks.
 
 Warm-up: a metered run executes the same kernels and allocations as a plain one,
 so it is the first of the ``warmup`` un-timed runs (the metered replay for each
 unit option, the instrumented step for the step time); ``warmup - 1`` more run
-before timing starts. Where keep's bytes come from the baseline step, the unit's
-first warm-up run for keep is that step, and its metered checkpoint replay runs
-the same forward and backward again just before the timing.
+before timing starts. When keep is not replayed under the meter, the metered
+checkpoint replay just before stands in for it: its backward reruns the forward
+with autograd saving, as keep does, and then keep's backward.
 
 Units are timed alone, not inside the timed steps: on CPU a unit's time inside a
-step includes page faults of memory the allocator gave back between steps, which
-recomputing it later in a planned step does not pay (timing units in the steps
-made checkpoint's extra time 40% too high on the small MLP and CNN).
+step includes page faults on memory the allocator gave back between steps, which
+recomputing it in a planned step does not pay (timed in the steps, checkpoint's
+extra time came out about 40% too high on the small MLP and CNN).
 
 How the figures become a :class:`Profile` (and why prefix/suffix times are
 derived) is in :mod:`.assemble`.
@@ -42,7 +43,7 @@ from torch import nn
 
 from remat.errors import ProfileError
 from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
-from remat.profiler.capture import UnitTrace
+from remat.profiler.capture import UnitTrace, trace_units
 from remat.profiler.instrument import instrumented_step
 from remat.profiler.progress import Progress
 from remat.profiler.replay import OptionFigures, UnitTiming, measure_option, time_unit
@@ -50,6 +51,7 @@ from remat.profiler.state import ModelState, clear_grads
 from remat.profiler.step import (
     LossFn,
     fixed_bytes,
+    forward_loss,
     model_device,
     optimizer_figures,
     tensor_storage_bytes,
@@ -151,7 +153,7 @@ def profile(
     device = model_device(model)
     opts = _resolve_options(options, device)
     watch = Stopwatch(device)
-    bar = Progress(len(found) + 2 + (optimizer is not None), progress)
+    bar = Progress(len(found) + 3 + (optimizer is not None), progress)
     started = time.perf_counter()
     state = ModelState.capture(model, optimizer)
     params = state.params
@@ -159,6 +161,12 @@ def profile(
         clear_grads(params)
         model.train()
         with torch.enable_grad():
+            bar.step("capture")
+            trace = trace_units(model, found, lambda: forward_loss(model, sample_batch, loss_fn))
+            ordered = [(name, trace.calls[name].module) for name in trace.order]
+            state.rng.restore()
+            state.restore_buffers()
+
             opt_state, opt_peak = 0, 0
             if optimizer is not None:
                 bar.step("optimizer")
@@ -171,9 +179,9 @@ def profile(
             bar.step("baseline step")
             watch.sync()
             fixed = fixed_bytes(model, optimizer)
-            base, trace = instrumented_step(model, sample_batch, loss_fn, found,
-                                            device_type=device.type, optimizer=optimizer)
-            ordered = [(name, trace.calls[name].module) for name in trace.order]
+            base = instrumented_step(model, sample_batch, loss_fn, ordered,
+                                     is_chain=trace.chain.is_chain, device_type=device.type,
+                                     optimizer=optimizer)
             clear_grads(params)
             state.rng.restore()
             state.restore_buffers()
@@ -236,8 +244,8 @@ def _measure_units(
 ) -> tuple[dict[str, dict[str, OptionFigures]], dict[str, UnitTiming]]:
     """Every unit under every option: metered once, then timed.
 
-    Keep is not metered where the baseline step measured it (``keep_in_step[i]``, the
-    figures the replay would give, see :func:`~remat.profiler.instrument.instrumented_step`).
+    Keep is not metered where the baseline step measured it already
+    (``keep_in_step[i]``: the figures the replay gives, read off that step).
     """
     figures: dict[str, dict[str, OptionFigures]] = {}
     timings: dict[str, UnitTiming] = {}

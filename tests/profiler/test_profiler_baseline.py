@@ -1,14 +1,13 @@
-"""The baseline step does two jobs of its own passes: keep's bytes and the capture.
+"""Keep's bytes read off the instrumented baseline step.
 
-Keep's figures read off the instrumented step must equal the isolated metered
-replay's exactly (the replay is skipped where the step gives them), and the
-capture recorded during that step must be the one a forward pass of its own
-records, without the copies it keeps changing what the step's meter sees.
+They must equal the isolated metered replay's exactly: ``profile()`` skips that
+replay where the step gives them. Where the step cannot tell (the batch as a
+boundary, a boundary held outside autograd, off a chain) the replay still runs.
 """
 
 from __future__ import annotations
 
-import json
+from typing import Any
 
 import pytest
 import torch
@@ -16,9 +15,9 @@ from torch import nn
 
 from remat import models
 from remat.profiler import profile
-from remat.profiler.capture import replica, trace_units
-from remat.profiler.instrument import instrumented_step
-from remat.profiler.replay import measure_option
+from remat.profiler.capture import UnitTrace, trace_units
+from remat.profiler.instrument import BaselineStep, instrumented_step
+from remat.profiler.replay import OptionFigures, measure_option
 from remat.profiler.state import ModelState, clear_grads
 from remat.profiler.step import forward_loss
 from remat.profiler.units import discover_units
@@ -26,7 +25,7 @@ from remat.profiler.units import discover_units
 REFERENCE = ["mlp", "cnn", "gpt", pytest.param("hf-gpt2", marks=pytest.mark.transformers)]
 
 
-def _stack() -> tuple[nn.Module, torch.Tensor, object]:
+def _stack() -> tuple[nn.Module, torch.Tensor, Any]:
     """Leaf-module units, ReLU saving its output, LayerNorm its statistics."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16),
@@ -36,7 +35,7 @@ def _stack() -> tuple[nn.Module, torch.Tensor, object]:
 
 
 class _TwoOutputs(nn.Module):
-    """Returns ``(y, aux)``; ``y`` is a view into a wider storage (chunk)."""
+    """Returns ``(y, aux)``; ``y`` is computed from views into a wider storage (chunk)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,7 +59,7 @@ class _Chunks(nn.Module):
         return x
 
 
-def _model(name: str) -> tuple[nn.Module, object, object]:
+def _model(name: str) -> tuple[nn.Module, Any, Any]:
     if name == "stack":
         return _stack()
     if name == "chunks":
@@ -70,15 +69,21 @@ def _model(name: str) -> tuple[nn.Module, object, object]:
     return ref.model, ref.batch, ref.loss_fn
 
 
-@pytest.mark.parametrize("name", [*REFERENCE, "stack", "chunks"])
-def test_keep_bytes_from_the_step_equal_the_replays(name: str) -> None:
-    model, batch, loss_fn = _model(name)
+def _baseline_and_replays(
+    model: nn.Module, batch: Any, loss_fn: Any, units: Any = None
+) -> tuple[BaselineStep, UnitTrace, list[OptionFigures]]:
+    """As profile() runs them: capture, baseline step, then each unit's metered keep replay."""
     state = ModelState.capture(model)
     try:
         model.train()
         clear_grads(state.params)
-        base, trace = instrumented_step(model, batch, loss_fn, discover_units(model),
-                                        device_type="cpu")
+        trace = trace_units(model, discover_units(model, units),
+                            lambda: forward_loss(model, batch, loss_fn))
+        ordered = [(n, trace.calls[n].module) for n in trace.order]
+        state.rng.restore()
+        state.restore_buffers()
+        base = instrumented_step(model, batch, loss_fn, ordered, is_chain=trace.chain.is_chain,
+                                 device_type="cpu")
         clear_grads(state.params)
         state.rng.restore()
         state.restore_buffers()
@@ -86,6 +91,12 @@ def test_keep_bytes_from_the_step_equal_the_replays(name: str) -> None:
                     for n in trace.order]
     finally:
         state.restore()
+    return base, trace, replayed
+
+
+@pytest.mark.parametrize("name", [*REFERENCE, "stack", "chunks"])
+def test_keep_bytes_from_the_step_equal_the_replays(name: str) -> None:
+    base, trace, replayed = _baseline_and_replays(*_model(name))
     assert trace.chain.is_chain and len(base.keep) == len(trace.order)
     read = [(i, k) for i, k in enumerate(base.keep) if k is not None]
     # Every unit but one fed the batch (not the step's storage: the replay runs).
@@ -110,12 +121,15 @@ def test_a_boundary_held_outside_autograd_is_left_to_the_replay() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), CachesOutput(), CachesOutput())
-    units = discover_units(model, ["1", "2"])
-    base, trace = instrumented_step(model, torch.randn(4, 8), lambda o, _b: o.pow(2).sum(),
-                                    units, device_type="cpu")
+    x = torch.randn(4, 8)
+
+    def loss_fn(out: torch.Tensor, _b: object) -> torch.Tensor:
+        return out.pow(2).sum()
+
+    base, trace, replayed = _baseline_and_replays(model, x, loss_fn, ["1", "2"])
     assert trace.chain.is_chain and base.keep == [None, None]
-    p = profile(model, torch.randn(4, 8), loss_fn=lambda o, _b: o.pow(2).sum(),
-                units=["1", "2"], repeats=1, warmup=0)
+    assert all(r.holds_output for r in replayed)
+    p = profile(model, x, loss_fn=loss_fn, units=["1", "2"], repeats=1, warmup=0)
     assert all(u.keep.holds_output for u in p.units)
 
 
@@ -130,50 +144,11 @@ def test_no_keep_bytes_off_a_chain() -> None:
                 x = b(x) * 2
             return x
 
-    model = Scaled()
-    base, trace = instrumented_step(model, torch.randn(4, 8), lambda o, _b: o.sum(),
-                                    discover_units(model), device_type="cpu")
+    base, trace, _ = _baseline_and_replays(Scaled(), torch.randn(4, 8), lambda o, _b: o.sum())
     assert not trace.chain.is_chain and base.keep == []
 
 
-@pytest.mark.parametrize("name", REFERENCE)
-def test_capture_inside_the_step_matches_a_capture_pass(name: str) -> None:
-    model, batch, loss_fn = _model(name)
-    units = discover_units(model)
-    state = ModelState.capture(model)
-    try:
-        model.train()
-        alone = trace_units(model, units, lambda: forward_loss(model, batch, loss_fn))
-        state.rng.restore()
-        state.restore_buffers()
-        clear_grads(state.params)
-        _, inside = instrumented_step(model, batch, loss_fn, units, device_type="cpu")
-    finally:
-        state.restore()
-    assert inside.order == alone.order and inside.chain == alone.chain
-    for unit in alone.order:
-        a, b = alone.calls[unit], inside.calls[unit]
-        assert (a.out_shape, a.out_dtype, a.out_requires_grad) == (
-            b.out_shape, b.out_dtype, b.out_requires_grad)
-        assert torch.equal(a.rng.cpu, b.rng.cpu)
-        x, y = a.first_input, b.first_input
-        assert (x is None) == (y is None)
-        if x is not None:
-            assert torch.equal(x.tensor, y.tensor) and x.requires_grad == y.requires_grad
-            assert x.tensor.stride() == y.tensor.stride()
-
-
-def test_replica_copies_storage_and_layout() -> None:
-    base = torch.arange(24.0).reshape(4, 6)
-    for t in (base[:, 1:4], base.t(), torch.randn(1, 6).expand(3, 6)):
-        r = replica(t)
-        assert torch.equal(r, t) and r.stride() == t.stride()
-        assert r.storage_offset() == t.storage_offset()
-        assert r.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-        assert not r.requires_grad
-
-
-def test_profile_skips_keep_replays_the_step_measured(monkeypatch) -> None:
+def test_profile_skips_the_keep_replays_the_step_measured(monkeypatch) -> None:
     import importlib
 
     module = importlib.import_module("remat.profiler.profile")
@@ -190,4 +165,4 @@ def test_profile_skips_keep_replays_the_step_measured(monkeypatch) -> None:
     keep = [name for name, option in metered if option == "keep"]
     assert keep == [p.units[0].name]  # only the unit fed the batch
     assert len(metered) == 1 + 2 * p.n  # checkpoint and selective for every unit
-    json.loads(p.to_json())  # the profile is complete
+    assert all(set(u.options) == {"keep", "checkpoint", "selective"} for u in p.units)
