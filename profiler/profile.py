@@ -18,9 +18,10 @@ also on error):
 Warm-up: a metered run executes the same kernels and allocations as a plain one,
 so it is the first of the ``warmup`` un-timed runs (the metered replay for each
 unit option, the instrumented step for the step time); ``warmup - 1`` more run
-before timing starts. When keep is not replayed under the meter, the metered
-checkpoint replay just before stands in for it: its backward reruns the forward
-with autograd saving, as keep does, and then keep's backward.
+before timing starts. Where keep is not replayed under the meter, the unit's
+other metered replays stand in for it: checkpoint's backward reruns the forward
+with autograd saving, as keep does, then keep's backward (timing right after them
+gives the same keep times as before, within noise).
 
 Units are timed alone, not inside the timed steps: on CPU a unit's time inside a
 step includes page faults on memory the allocator gave back between steps, which
