@@ -365,14 +365,7 @@ class SegmentRunner:
                 self._open = None
                 raise
         else:
-            located = _first_tensor_argument(args, kwargs)
-            if located is None:
-                raise RematError(
-                    f"unit '{self.names[index]}' starts segment {a}-{b} but was called "
-                    "without a tensor argument to hold and recompute from; segments cannot "
-                    "be used here"
-                )
-            slot, first_input = located
+            slot, first_input = self._segment_input(index, args, kwargs)
             seg = self._open = _OpenSegment(bounds, self.names, self.modules[a : b + 1],
                                             first_input)
         try:
@@ -384,6 +377,20 @@ class SegmentRunner:
         if finished:
             self._open = None
         return output
+
+    def _segment_input(
+        self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Slot, torch.Tensor]:
+        """Where the call starting a segment takes the tensor the segment holds, and that tensor."""
+        located = _first_tensor_argument(args, kwargs)
+        if located is None:
+            a, b = self.segment_of[index]
+            raise RematError(
+                f"unit '{self.names[index]}' starts segment {a}-{b} but was called "
+                "without a tensor argument to hold and recompute from; segments cannot "
+                "be used here"
+            )
+        return located
 
     # -- under torch.compile -------------------------------------------------------
     def call_ahead(
@@ -412,14 +419,7 @@ class SegmentRunner:
                 f"segment runs from its first unit '{self.names[a]}', so it cannot be used "
                 "here (use a plan without this segment)"
             )
-        located = _first_tensor_argument(args, kwargs)
-        if located is None:
-            raise RematError(
-                f"unit '{self.names[index]}' starts segment {a}-{b} but was called "
-                "without a tensor argument to hold and recompute from; segments cannot "
-                "be used here"
-            )
-        slot, first_input = located
+        slot, first_input = self._segment_input(index, args, kwargs)
         run = functools.partial(
             _run_chained,
             tuple(forward_of(k) for k in range(a, b + 1)),
