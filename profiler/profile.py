@@ -10,15 +10,18 @@ also on error):
 3. **baseline** (:mod:`.instrument`): one instrumented training step gives the
    prefix/suffix figures, the boundary flags, the measured peak and, on a chain,
    the units' keep bytes;
-4. **units** (:mod:`.replay`): each unit replayed alone under each option, once
+4. **step time**: up to ``repeats`` timed plain training steps, no meter, no hooks;
+5. **units** (:mod:`.replay`): each unit replayed alone under each option, once
    under the meter (not keep when the baseline step gave its bytes), then
-   ``repeats`` timed times;
-5. **step time**: ``repeats`` timed plain training steps, no meter, no hooks.
+   timed up to ``repeats`` times (twin units, :mod:`.twins`, share one timing).
+
+Timed runs stop early once those taken bracket the median of ``repeats`` tightly
+enough (``tolerance``): with three repeats, two runs that agree within 5% do.
 
 Warm-up: a metered run executes the same kernels and allocations as a plain one,
 so it is the first of the ``warmup`` un-timed runs (the metered replay for each
-unit option, the instrumented step for the step time); ``warmup - 1`` more run
-before timing starts. Where keep is not replayed under the meter, the unit's
+unit option, the instrumented step right before for the step time); ``warmup - 1``
+more run before timing starts. Where keep is not replayed under the meter, the unit's
 other metered replays stand in for it: checkpoint's backward reruns the forward
 with autograd saving, as keep does, then keep's backward (timing right after them
 gives the same keep times as before, within noise).
@@ -36,7 +39,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,10 +49,16 @@ from torch import nn
 
 from remat.errors import ProfileError
 from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
-from remat.profiler.capture import UnitTrace, trace_units
+from remat.profiler.capture import UnitCall, UnitTrace, trace_units
 from remat.profiler.instrument import instrumented_step
 from remat.profiler.progress import Progress
-from remat.profiler.replay import OptionFigures, UnitTiming, measure_option, time_unit
+from remat.profiler.replay import (
+    OptionFigures,
+    TimingSamples,
+    UnitTiming,
+    measure_option,
+    time_unit,
+)
 from remat.profiler.state import ModelState, clear_grads
 from remat.profiler.step import (
     LossFn,
@@ -59,6 +70,7 @@ from remat.profiler.step import (
     time_steps,
 )
 from remat.profiler.timing import Stopwatch
+from remat.profiler.twins import signature
 from remat.profiler.units import UnitsSpec, discover_units
 from remat.solver.profile import Option, Profile
 
@@ -96,6 +108,17 @@ def _resolve_options(options: Iterable[str | Option] | None, device: torch.devic
     return chosen
 
 
+@dataclass(frozen=True)
+class _TimingPolicy:
+    """How units are timed: un-timed rounds first, at most ``repeats`` timed rounds,
+    early stop within ``tolerance``, twins pooled or not."""
+
+    warmup: int
+    repeats: int
+    tolerance: float
+    pool_twins: bool
+
+
 def profile(
     model: nn.Module,
     sample_batch: Any,
@@ -106,6 +129,8 @@ def profile(
     options: Iterable[str | Option] | None = None,
     warmup: int = 1,
     repeats: int = 3,
+    tolerance: float = 0.05,
+    pool_twins: bool = True,
     progress: bool | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``sample_batch``, unit by unit.
@@ -122,6 +147,14 @@ def profile(
             checkpoint, selective, and offload on CUDA.
         warmup, repeats: un-timed and timed runs for every time figure (medians);
             the metered run counts as the first warm-up run.
+        tolerance: stop a time figure's timed runs early once the runs taken pin
+            the median of all ``repeats`` to within this fraction (of the unit's or
+            the step's time): with ``repeats=3``, two runs that agree within 5%
+            already bracket the median of three. ``0`` always takes ``repeats`` runs.
+        pool_twins: time twin units (copies of one module on inputs of one shape, with
+            equal bytes under every option: a transformer's blocks) as one, pooling
+            their samples, so timing costs about as much for 48 blocks as for 2
+            (:mod:`remat.profiler.twins`). Their bytes are still measured one by one.
         progress: show a progress line on stderr (only when it is a terminal);
             ``False`` to never show it.
 
@@ -137,8 +170,11 @@ def profile(
     Nothing about the model changes: parameters, buffers, ``.grad``, ``requires_grad``,
     train/eval modes, RNG states and the optimizer state are restored.
     """
-    if repeats < 1 or warmup < 0:
-        raise ProfileError(f"need repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
+    if repeats < 1 or warmup < 0 or not 0 <= tolerance < 1:
+        raise ProfileError(
+            f"need repeats >= 1, warmup >= 0 and 0 <= tolerance < 1, got {repeats=} {warmup=} "
+            f"{tolerance=}"
+        )
     if getattr(model, _PLAN_ATTR, None) is not None:
         raise ProfileError(
             "the model has a plan applied: profile the model without it (a plan changes what "
@@ -187,13 +223,16 @@ def profile(
             state.rng.restore()
             state.restore_buffers()
 
+            # Right after the instrumented step, its warm-up (the allocator holds a
+            # whole step's memory; after the unit replays it would not).
             more_warmup = max(warmup - 1, 0)  # the metered run was the first
-            figures, timings = _measure_units(trace, ordered, opts, base.keep, device.type, watch,
-                                              params, state, bar, more_warmup, repeats)
-
             bar.step("step time")
             step = time_steps(model, sample_batch, loss_fn, optimizer, state, watch,
-                              warmup=more_warmup, repeats=repeats)
+                              warmup=more_warmup, repeats=repeats, tolerance=tolerance)
+
+            policy = _TimingPolicy(more_warmup, repeats, tolerance, pool_twins)
+            figures, timings = _measure_units(trace, ordered, opts, base.keep, device.type, watch,
+                                              params, state, bar, policy)
     finally:
         bar.close()
         state.restore()
@@ -218,7 +257,8 @@ def profile(
         dtype=model_dtype(model),
         shapes=input_shapes(sample_batch),
         meta={"torch": torch.__version__, "meter": "dispatch", "warmup": warmup,
-              "repeats": repeats, "profile_s": round(seconds, 3)},
+              "repeats": repeats, "tolerance": tolerance, "pool_twins": pool_twins,
+              "profile_s": round(seconds, 3)},
     )
     log.info(
         "profiled %d units of %s (%s) in %.2f s (%.1f steps): step %.2f ms, peak %d B",
@@ -228,6 +268,15 @@ def profile(
     log.debug("profile phases (s): %s",
               {k: round(v, 3) for k, v in bar.durations().items()})
     return result
+
+
+@dataclass
+class _Pool:
+    """Timing samples shared by twin units (one unit's alone when it has no twin)."""
+
+    samples: TimingSamples
+    members: list[str] = field(default_factory=list)
+    pending: UnitCall | None = None  # the last member timed, kept while more samples may be due
 
 
 def _measure_units(
@@ -240,16 +289,28 @@ def _measure_units(
     params: list[nn.Parameter],
     state: ModelState,
     bar: Progress,
-    warmup: int,
-    repeats: int,
+    timing: _TimingPolicy,
 ) -> tuple[dict[str, dict[str, OptionFigures]], dict[str, UnitTiming]]:
     """Every unit under every option: metered once, then timed.
 
     Keep is not metered where the baseline step measured it already
     (``keep_in_step[i]``: the figures the replay gives, read off that step).
+
+    Twin units (:mod:`.twins`: the same signature and the same bytes under every
+    option) pool their timed samples: while more units with the signature are to
+    come, each is timed for one round right after its metered replays (its
+    warm-up), and once the pool's samples settle the remaining twins are only
+    metered. A pool still short of samples at the end times its last member more.
     """
+    # checkpoint's extra time is by definition its recomputed forward, which the
+    # keep timing measures, so it is not timed again (a third of the timing cost).
+    timed = tuple(o for o in opts if o != Option.CHECKPOINT.value)
+    signatures = {name: signature(trace.calls[name]) if timing.pool_twins else name
+                  for name, _ in ordered}
+    still_to_come = Counter(signatures.values())
     figures: dict[str, dict[str, OptionFigures]] = {}
-    timings: dict[str, UnitTiming] = {}
+    pools: dict[Hashable, _Pool] = {}
+    pool_of: dict[str, _Pool] = {}
     for i, (name, _module) in enumerate(ordered):
         bar.step(f"unit {name}")
         call = trace.calls[name]
@@ -259,11 +320,31 @@ def _measure_units(
             else measure_option(call, o, device_type, params)
             for o in opts
         }
-        # checkpoint's extra time is by definition its recomputed forward, which the
-        # keep timing measures, so it is not timed again (a third of the timing cost).
-        timed = [o for o in opts if o != Option.CHECKPOINT.value]
-        timings[name] = time_unit(call, timed, watch, params, warmup=warmup, repeats=repeats)
+        sig = signatures[name]
+        still_to_come[sig] -= 1
+        pool = pools.setdefault((sig, tuple(figures[name].items())), _Pool(TimingSamples(timed)))
+        pool.members.append(name)
+        pool_of[name] = pool
+        if not pool.samples.settled(timing.repeats, timing.tolerance):
+            time_unit(call, timed, watch, params, warmup=timing.warmup, repeats=timing.repeats,
+                      tolerance=timing.tolerance, samples=pool.samples,
+                      max_rounds=1 if still_to_come[sig] else None)
+            if pool.pending is not None:
+                pool.pending.release()
+            pool.pending, call = call, None
         # Replays ran BatchNorm's training forward again: put the running stats back.
         state.restore_buffers()
-        call.release()
+        if call is not None:
+            call.release()
+    for pool in pools.values():
+        if pool.pending is not None:
+            if not pool.samples.settled(timing.repeats, timing.tolerance):
+                time_unit(pool.pending, timed, watch, params, warmup=timing.warmup,
+                          repeats=timing.repeats, tolerance=timing.tolerance, samples=pool.samples)
+                state.restore_buffers()
+            pool.pending.release()
+    if len(pools) < len(ordered):
+        log.debug("timed %d units as %d groups of twins: %s", len(ordered), len(pools),
+                  [p.members for p in pools.values() if len(p.members) > 1])
+    timings = {name: pool_of[name].samples.timing() for name, _ in ordered}
     return figures, timings

@@ -2,7 +2,8 @@
 
 :func:`measure_option` gives an option's bytes (keep's usually come from the
 baseline step instead: :func:`~remat.profiler.instrument.instrumented_step`
-reads the same figures off it), :func:`time_unit` its times.
+reads the same figures off it), :func:`time_unit` its times (samples that twin
+units pool: :mod:`.twins`).
 
 Each option runs through :func:`forward_with_option`, exactly as the runtime
 will run it. The unit's first input is a fresh storage allocated *before* the
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,10 +37,10 @@ from remat.profiler.capture import UnitCall
 from remat.profiler.state import clear_grads
 from remat.profiler.tensors import first_tensor_output, storage_nbytes
 from remat.profiler.timeline import TimelineMeter
-from remat.profiler.timing import Stopwatch, median
+from remat.profiler.timing import Stopwatch, median, settled
 from remat.runtime.options import forward_with_option
 
-__all__ = ["OptionFigures", "UnitTiming", "measure_option", "time_unit"]
+__all__ = ["OptionFigures", "TimingSamples", "UnitTiming", "measure_option", "time_unit"]
 
 log = logging.getLogger("remat")
 
@@ -156,6 +157,50 @@ def measure_option(
     )
 
 
+@dataclass
+class TimingSamples:
+    """Timed samples per option, in milliseconds; one unit's, or pooled over twin units."""
+
+    options: tuple[str, ...]
+    fwd: dict[str, list[float]] = field(default_factory=dict)
+    bwd: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for o in self.options:
+            self.fwd.setdefault(o, [])
+            self.bwd.setdefault(o, [])
+
+    @property
+    def rounds(self) -> int:
+        return min((len(v) for v in self.fwd.values()), default=0)
+
+    def add(self, option: str, fwd_ms: float, bwd_ms: float) -> None:
+        self.fwd[option].append(fwd_ms)
+        self.bwd[option].append(bwd_ms)
+
+    def settled(self, repeats: int, tolerance: float) -> bool:
+        """Every option's forward, backward and total pin their medians of ``repeats``
+        to within ``tolerance`` times the option's total (see :func:`settled`)."""
+        for o in self.options:
+            totals = [f + b for f, b in zip(self.fwd[o], self.bwd[o])]
+            if not totals:
+                return False
+            scale = min(totals)
+            if not all(settled(v, repeats=repeats, tolerance=tolerance, scale=scale)
+                       for v in (totals, self.fwd[o], self.bwd[o])):
+                return False
+        return True
+
+    def timing(self) -> UnitTiming:
+        """The medians."""
+        return UnitTiming(
+            fwd_ms={o: median(v) for o, v in self.fwd.items()},
+            bwd_ms={o: median(v) for o, v in self.bwd.items()},
+            total_ms={o: median([f + b for f, b in zip(self.fwd[o], self.bwd[o])])
+                      for o in self.options},
+        )
+
+
 def time_unit(
     call: UnitCall,
     options: Sequence[str],
@@ -164,16 +209,26 @@ def time_unit(
     *,
     warmup: int,
     repeats: int,
-) -> UnitTiming:
-    """Median forward / backward / total time of ``call`` under each option (no meter, no hooks).
+    tolerance: float = 0.0,
+    samples: TimingSamples | None = None,
+    max_rounds: int | None = None,
+) -> TimingSamples:
+    """Time ``call`` under each option (no meter, no hooks); the samples, for their medians.
 
     Options are interleaved within each round so slow drifts (other processes,
-    clocks) hit them alike.
+    clocks) hit them alike. Rounds stop once the samples pin every median of
+    ``repeats`` to within ``tolerance`` times the option's total time
+    (:meth:`TimingSamples.settled`; ``tolerance=0`` takes ``repeats`` rounds), or
+    after ``max_rounds`` timed rounds. Samples are added to ``samples`` when given
+    (twin units pool theirs), else to new ones.
     """
     module = call.module
-    fwd: dict[str, list[float]] = {o: [] for o in options}
-    bwd: dict[str, list[float]] = {o: [] for o in options}
+    samples = samples if samples is not None else TimingSamples(tuple(options))
+    limit = max_rounds if max_rounds is not None else repeats
+    taken = 0
     for round_ in range(warmup + repeats):
+        if round_ >= warmup and (taken >= limit or samples.settled(repeats, tolerance)):
+            break
         for option in options:
             call.rng.restore()
             clear_grads(params)
@@ -195,11 +250,8 @@ def time_unit(
                 _, b_ms = watch.time(lambda s=seed, g=root_grad: s.backward(g))
             del seed, leaf
             if round_ >= warmup:
-                fwd[option].append(f_ms)
-                bwd[option].append(b_ms)
+                samples.add(option, f_ms, b_ms)
+        if round_ >= warmup:
+            taken += 1
     clear_grads(params)
-    return UnitTiming(
-        fwd_ms={o: median(v) for o, v in fwd.items()},
-        bwd_ms={o: median(v) for o, v in bwd.items()},
-        total_ms={o: median([f + b for f, b in zip(fwd[o], bwd[o])]) for o in options},
-    )
+    return samples

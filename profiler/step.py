@@ -24,7 +24,7 @@ from torch import nn
 from remat.errors import LossNotFoundError, ProfileError
 from remat.meter import MemoryMeter
 from remat.profiler.state import ModelState, clear_grads
-from remat.profiler.timing import Stopwatch, median
+from remat.profiler.timing import Stopwatch, median, settled
 
 __all__ = [
     "LossFn",
@@ -177,8 +177,12 @@ def time_steps(
     *,
     warmup: int,
     repeats: int,
+    tolerance: float = 0.0,
 ) -> StepTimes:
     """Time ``warmup + repeats`` plain steps (grads cleared first); medians of the last ``repeats``.
+
+    The timed steps stop early once the samples pin each median to within
+    ``tolerance`` times the step time (:func:`~remat.profiler.timing.settled`).
 
     RNG state and buffers are reset before each, so every step sees the same dropout
     masks and BatchNorm statistics.
@@ -198,6 +202,9 @@ def time_steps(
             total.append(f_ms + b_ms + o_ms)
             fwd.append(f_ms)
             bwd.append(b_ms)
+            if all(settled(v, repeats=repeats, tolerance=tolerance, scale=min(total))
+                   for v in (total, fwd, bwd)):
+                break
     clear_grads(state.params)
     return StepTimes(median(total), median(fwd), median(bwd))
 

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["Stopwatch", "median"]
+__all__ = ["Stopwatch", "median", "settled"]
 
 T = TypeVar("T")
 
@@ -21,6 +21,24 @@ T = TypeVar("T")
 def median(values: Sequence[float]) -> float:
     """Median of ``values`` (0.0 for an empty sequence)."""
     return float(statistics.median(values)) if values else 0.0
+
+
+def settled(samples: Sequence[float], *, repeats: int, tolerance: float, scale: float) -> bool:
+    """Whether ``samples`` already pin the median of ``repeats`` samples to within ``tolerance``.
+
+    Any ``repeats // 2 + 1`` samples bracket the median of all ``repeats``: at
+    most ``repeats - (repeats // 2 + 1)`` of the others can fall below their
+    minimum (or above their maximum), too few to move the median outside. So
+    once that many are taken and their spread is at most ``tolerance * scale``,
+    their own median is within that of the median the remaining runs would give,
+    and the remaining runs can be skipped. ``tolerance=0`` never stops early
+    (unless the samples are identical).
+    """
+    if len(samples) >= repeats:
+        return True
+    if len(samples) < repeats // 2 + 1:
+        return False
+    return max(samples) - min(samples) <= tolerance * scale
 
 
 class Stopwatch:
