@@ -13,8 +13,10 @@ script measures:
 * Hugging Face ``gradient_checkpointing_enable`` (every block; hf-gpt2),
 * ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` = f
   and 1.0 (the compiled reference), one compile per budget,
-* remat optimal + torch.compile: each feasible remat optimal plan applied to a
-  copy that is then compiled (activation_memory_budget 1.0), one compile per plan.
+* remat optimal + torch.compile: at each budget, the plan ``solve(...,
+  compiled=True)`` picks (the fastest optimal-frontier plan whose compiled step
+  fits, found by compiling a few candidates), applied to a copy that is then
+  compiled (activation_memory_budget 1.0).
 
 Every method runs on its own deep copy of one pristine model, with the same batch.
 Peaks include the persistent bytes (parameters, buffers and, allocated in the
@@ -69,6 +71,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 import remat
 from remat.allocator import allocator_peak
 from remat.api import activation_budget
+from remat.compiled import solve_compiled
 from remat.errors import InfeasibleBudgetError
 from remat.meter import MemoryMeter, storage_bytes
 from remat.models import ReferenceModel, build
@@ -95,7 +98,7 @@ QUICK_SIZES: dict[str, dict[str, Any]] = {name: {"size": "tiny"} for name in DEF
 # Families of methods; the ratio table compares remat optimal with the peers.
 EAGER, COMPILED = "eager", "compiled"
 PEER_METHODS = ("checkpoint_sequential", "HF gradient checkpointing", "torch.compile")
-# remat optimal's plan, applied and then compiled: the compiled counterpart of remat optimal.
+# remat's plan for compiled training (solve(..., compiled=True)), applied and then compiled.
 REMAT_COMPILED = "remat optimal + torch.compile"
 METHOD_ORDER = ("none", "remat optimal", "remat chen", *PEER_METHODS, REMAT_COMPILED)
 NOT_APPLICABLE = {
@@ -458,19 +461,32 @@ def measure_compiled(ref: ReferenceModel, pristine: nn.Module, fraction: float, 
     return row
 
 
-def measure_remat_compiled(ref: ReferenceModel, pristine: nn.Module, plan: remat.Plan,
-                           fraction: float, repeats: int, warmup: int) -> Row:
-    """remat optimal's plan at ``fraction`` applied to a copy, then compiled.
+def measure_remat_compiled(ref: ReferenceModel, pristine: nn.Module, profile: remat.Profile,
+                           budget: int, fraction: float, repeats: int, warmup: int) -> Row:
+    """remat's plan for compiled training at ``fraction``, applied to a copy, then compiled.
 
-    Compiled at the default ``activation_memory_budget`` (1.0: inductor adds no
-    recomputation of its own), so all the checkpointing is remat's. A plan that does
-    not compile (or whose compiled step fails) becomes a row whose note says why.
+    The plan comes from ``solve(..., compiled=True)`` (:mod:`remat.compiled`): the
+    fastest plan of the optimal frontier whose compiled step the allocator measures
+    within the budget. Compiled at the default ``activation_memory_budget`` (1.0:
+    inductor adds no recomputation of its own), so all the checkpointing is remat's.
+    A search that finds no fitting plan, or a plan that does not compile, becomes a
+    row whose note says why.
     """
-    def fresh() -> Row:
-        return Row(ref.name, REMAT_COMPILED, f"f={fraction:g}: remat optimal's plan", COMPILED,
-                   budget_fraction=fraction, predicted_peak_bytes=plan.predicted_peak_bytes)
+    def fresh(setting: str, plan: remat.Plan | None = None) -> Row:
+        return Row(ref.name, REMAT_COMPILED, setting, COMPILED, budget_fraction=fraction,
+                   predicted_peak_bytes=plan.compiled_peak_bytes if plan else None)
 
-    row = fresh()
+    try:
+        with activation_memory_budget(1.0):
+            t0 = time.perf_counter()
+            plan = solve_compiled(copy.deepcopy(pristine), ref.batch, profile,
+                                                 budget, loss_fn=ref.loss_fn)
+            search_s = time.perf_counter() - t0
+    except InfeasibleBudgetError as exc:
+        row = fresh(f"f={fraction:g}: compiled search")
+        row.note = f"no plan fits compiled: smallest measured {mib(exc.min_feasible_bytes)} MiB"
+        return row
+    row = fresh(f"f={fraction:g}: {plan.summary()}", plan)
     model = remat.apply_plan(copy.deepcopy(pristine), plan)
     try:
         with activation_memory_budget(1.0):
@@ -481,8 +497,10 @@ def measure_remat_compiled(ref: ReferenceModel, pristine: nn.Module, plan: remat
     except Exception as exc:
         print(f"!! {ref.name} {REMAT_COMPILED} f={fraction:g} failed:\n"
               f"{traceback.format_exc()}", flush=True)
-        row = fresh()
+        row = fresh(f"f={fraction:g}: {plan.summary()}", plan)
         row.note = f"compile failed: {exception_text(exc)}"
+        return row
+    row.note = f"compiled search {search_s:.0f} s; " + row.note
     return row
 
 
@@ -563,9 +581,9 @@ def peer_variants(ref: ReferenceModel, pristine: nn.Module) -> tuple[list[Varian
 
 
 def compiled_rows(ref: ReferenceModel, pristine: nn.Module, fractions: Sequence[float],
-                  plans: dict[float, remat.Plan], repeats: int, warmup: int, remat_compile: bool,
-                  failures: list[str]) -> list[Row]:
-    """torch.compile at budget 1.0 and each fraction, then each remat optimal plan compiled."""
+                  profile: remat.Profile, budgets: dict[float, int], repeats: int, warmup: int,
+                  remat_compile: bool, failures: list[str]) -> list[Row]:
+    """torch.compile at budget 1.0 and each fraction, then remat's compiled plan at each."""
     jobs: list[tuple[str, Callable[[], Row]]] = [
         (f"torch.compile budget={f:g}",
          lambda f=f: measure_compiled(ref, pristine, f, repeats, warmup))
@@ -573,9 +591,9 @@ def compiled_rows(ref: ReferenceModel, pristine: nn.Module, fractions: Sequence[
     ]
     if remat_compile:
         jobs += [(f"{REMAT_COMPILED} f={f:g}",
-                  lambda f=f, plan=plan: measure_remat_compiled(ref, pristine, plan, f, repeats,
-                                                                warmup))
-                 for f, plan in plans.items()]
+                  lambda f=f: measure_remat_compiled(ref, pristine, profile, budgets[f], f,
+                                                     repeats, warmup))
+                 for f in fractions]
     rows = [run_guarded(f"{ref.name} {label}", job, failures) for label, job in jobs]
     return [row for row in rows if row is not None]
 
@@ -609,10 +627,8 @@ def run_model(name: str, sizes: dict[str, Any], fractions: Sequence[float], repe
         run_guarded(f"{name} {v.method} teardown", v.teardown, failures)
     rows = measured + rows
     if compile_:
-        plans = {v.budget_fraction: v.plan for v in ours if v.method == "remat optimal"
-                 and v.budget_fraction is not None and v.plan is not None}
-        rows += compiled_rows(ref, pristine, fractions, plans, repeats, warmup, remat_compile,
-                              failures)
+        rows += compiled_rows(ref, pristine, fractions, profile, budgets, repeats, warmup,
+                              remat_compile, failures)
     rows.sort(key=lambda r: METHOD_ORDER.index(r.method))  # stable: settings keep their order
     finish_rows(rows, budgets)
     return ModelResult(name, ref.description, profile.n, profile.fixed_bytes,
@@ -869,16 +885,17 @@ METHOD_NOTES = [
     "- **torch.compile budget=f** is `torch._functorch.config.activation_memory_budget`: a "
     "fraction of the compiled graph's own saved activations, not of remat's budget; its "
     "row is judged against remat's budget at the same f.",
-    "- **remat optimal + torch.compile f** is the remat optimal plan of the same f, "
-    "applied with `remat.apply_plan` to a fresh copy which is then `torch.compile`d at the "
-    "default `activation_memory_budget` (1.0: inductor adds no recomputation of its own, "
-    "the checkpointing is remat's). It is measured like the torch.compile rows (allocator "
-    "peak, compile time in the note, dynamo reset before each compile). Units under "
-    "checkpoint/selective are traced into the graph; a plan's multi-unit segments run "
-    "eagerly inside the compiled model (`torch.compiler.disable`), so the note counts the "
-    "graphs and graph breaks. *predicted* is remat's figure for the eager plan; compiled "
-    "kernels may allocate otherwise. Only budgets where remat optimal is feasible have "
-    "a row; a plan that fails to compile gets a row whose note gives the exception.",
+    "- **remat optimal + torch.compile f** is the plan `remat.solve(model, batch, budget, "
+    "compiled=True)` returns for the same f: the fastest plan of the optimal frontier "
+    "whose compiled step, measured with the allocator, fits the budget (a binary search "
+    "that compiles a few candidates; its time is in the note). It is applied with "
+    "`remat.apply_plan` to a fresh copy which is then `torch.compile`d at the default "
+    "`activation_memory_budget` (1.0: inductor adds no recomputation of its own, the "
+    "checkpointing is remat's), and measured like the torch.compile rows (allocator "
+    "peak, compile time in the note, dynamo reset before each compile). *predicted* is "
+    "the compiled peak the search measured for the plan. A budget no candidate fits "
+    "compiled gets a row whose note gives the smallest compiled peak measured; a plan "
+    "that fails to compile, one whose note gives the exception.",
 ]
 
 

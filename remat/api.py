@@ -10,7 +10,7 @@ temporaries. Strings such as ``"8GB"`` (SI), ``"7.5GiB"`` (binary) and ``"60%"``
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from remat.errors import RematError
@@ -64,6 +64,8 @@ def solve(
     optimizer: Any = None,
     units: Any = None,
     options: Sequence[str] | None = None,
+    compiled: bool = False,
+    compile_options: Mapping[str, Any] | None = None,
     **solver_params: Any,
 ) -> Plan:
     """Profile a model and solve for the fastest checkpointing plan that fits a budget.
@@ -86,8 +88,14 @@ def solve(
         units: which modules may be checkpointed (names, a class, or a
             predicate ``(name, module) -> bool``); default: discovered blocks.
         options: the options to consider (default: all the device offers).
+        compiled: the model will train under ``torch.compile``: choose the fastest
+            plan of the optimal frontier whose *compiled* step, measured with the
+            allocator, fits the budget (:mod:`remat.compiled`; compiles a few
+            candidates; needs the model, not a profile).
+        compile_options: keyword arguments for ``torch.compile`` when ``compiled``.
         **solver_params: passed to the algorithm (e.g. ``k`` for ``"uniform"``,
-            ``time_limit_s`` for ``"ilp"``).
+            ``time_limit_s`` for ``"ilp"``), or with ``compiled`` to
+            :func:`remat.compiled.solve_compiled` (``points``, ``max_compiles``).
 
     Returns:
         The :class:`Plan`, with its predicted peak and time.
@@ -98,6 +106,12 @@ def solve(
     """
     if isinstance(model_or_profile, Profile) and memory_budget is None and sample_batch is not None:
         memory_budget, sample_batch = sample_batch, None  # remat.solve(profile, "8GB")
+    if compiled and (isinstance(model_or_profile, Profile) or memory_budget is None):
+        raise RematError(
+            "compiled=True measures candidate plans compiled, so it needs the model, a sample "
+            "batch and a budget: remat.solve(model, sample_batch, memory_budget=..., "
+            "compiled=True)"
+        )
     prof = _as_profile(
         model_or_profile,
         sample_batch,
@@ -106,6 +120,12 @@ def solve(
         units=units,
         options=options,
     )
+    if compiled:
+        from remat.compiled import solve_compiled
+
+        return solve_compiled(model_or_profile, sample_batch, prof, memory_budget, method=method,
+                              loss_fn=loss_fn, optimizer=optimizer,
+                              compile_options=compile_options, **solver_params)
     from remat.solver.solve import solve_profile
 
     plan = solve_profile(prof, memory_budget, method=method, **solver_params)

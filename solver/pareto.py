@@ -20,7 +20,7 @@ from remat.solver.plan import Plan, Status
 from remat.solver.profile import Profile
 from remat.solver.solve import algorithm, no_checkpoint_peak_bytes
 
-__all__ = ["COLUMNS", "min_feasible_peak", "pareto_frontier"]
+__all__ = ["COLUMNS", "frontier_plans", "min_feasible_peak", "pareto_frontier"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,23 @@ def _baseline_rows(profile: Profile, base_ms: float) -> list[dict]:
     plans += [(f"uniform(k={k})", uniform_plan(profile, k=k)) for k in _uniform_ks(profile.n)]
     plans.append(("chen", chen_plan(profile)))
     return [_row(plan, base_ms, "baseline", label, None) for label, plan in plans]
+
+
+def frontier_plans(profile: Profile, *, points: int = 20, method: str = "dp") -> list[Plan]:
+    """The distinct best plans at ``points`` budgets from the smallest feasible peak to
+    the no-checkpoint peak, fastest first (ties: smaller peak first).
+
+    Budgets ``method`` cannot meet give no plan.
+    """
+    solve = algorithm(method)
+    found: dict[tuple, Plan] = {}
+    for budget in _budgets(min_feasible_peak(profile), no_checkpoint_peak_bytes(profile), points):
+        try:
+            plan = solve(profile, budget)
+        except InfeasibleBudgetError:
+            continue
+        found.setdefault((plan.options, plan.segments), plan)
+    return sorted(found.values(), key=lambda p: (p.predicted_time_ms, p.predicted_peak_bytes))
 
 
 def pareto_frontier(

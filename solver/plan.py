@@ -49,6 +49,9 @@ class Plan:
             (``None`` for a manual plan, which is checked by unit names only).
         unit_types: the units' class names, for error messages and checks.
         device: the device type the profile was measured on (``"cpu"``, ``"cuda"``).
+        compiled_peak_bytes: for a plan chosen for ``torch.compile`` (``solve(...,
+            compiled=True)``), the peak of its compiled training step as the
+            allocator measured it, in bytes; ``None`` otherwise.
     """
 
     unit_names: tuple[str, ...]
@@ -63,6 +66,7 @@ class Plan:
     fingerprint: str | None = None
     unit_types: tuple[str, ...] | None = None
     device: str | None = None
+    compiled_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_names", tuple(self.unit_names))

@@ -1,0 +1,127 @@
+"""solve(..., compiled=True): the fastest frontier plan whose compiled step fits, measured."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.compiled import compiled_peak_bytes, solve_compiled
+from remat.errors import InfeasibleBudgetError, RematError
+from remat.solver.pareto import frontier_plans
+
+sys.path.insert(0, str(Path(__file__).parent / "solver"))
+from solver_testlib import transformer_like  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def prof() -> remat.Profile:
+    return transformer_like(6, seed=1, varied=True)
+
+
+def _scaled(factor: float, calls: list):
+    """A stand-in for compiling: the compiled peak is the eager prediction times ``factor``."""
+    def measure(plan: remat.Plan) -> int:
+        calls.append(plan)
+        return int(plan.predicted_peak_bytes * factor)
+    return measure
+
+
+def test_frontier_is_fastest_first_with_falling_peaks(prof: remat.Profile) -> None:
+    plans = frontier_plans(prof, points=20)
+    assert len(plans) > 3
+    times = [p.predicted_time_ms for p in plans]
+    peaks = [p.predicted_peak_bytes for p in plans]
+    assert times == sorted(times)
+    assert peaks == sorted(peaks, reverse=True)  # more time buys less memory, never more
+    assert len({(p.options, p.segments) for p in plans}) == len(plans)
+
+
+@pytest.mark.parametrize("factor", [0.6, 0.85, 1.0, 1.15])
+def test_search_finds_the_fastest_candidate_that_fits(prof: remat.Profile, factor: float) -> None:
+    plans = frontier_plans(prof, points=20)
+    lo, hi = plans[-1].predicted_peak_bytes, plans[0].predicted_peak_bytes
+    for budget in [int(lo * factor) + k * (hi - lo) // 7 for k in range(8)]:
+        fitting = [p for p in plans if int(p.predicted_peak_bytes * factor) <= budget]
+        calls: list = []
+        if not fitting:
+            with pytest.raises(InfeasibleBudgetError) as info:
+                solve_compiled(None, None, prof, budget, measure=_scaled(factor, calls),
+                               max_compiles=len(plans))
+            assert info.value.min_feasible_bytes == int(lo * factor)
+            continue
+        plan = solve_compiled(None, None, prof, budget, measure=_scaled(factor, calls),
+                              max_compiles=len(plans))
+        assert (plan.options, plan.segments) == (fitting[0].options, fitting[0].segments)
+        assert plan.compiled_peak_bytes == int(fitting[0].predicted_peak_bytes * factor)
+        assert plan.compiled_peak_bytes <= budget
+        assert plan.status == "feasible" and plan.algorithm.endswith("+compiled")
+        assert plan.budget_bytes == budget
+        # A binary search: far fewer compiles than candidates.
+        assert len(calls) <= len(plans).bit_length() + 1
+        assert remat.Plan.from_json(plan.to_json()) == plan
+
+
+def test_search_respects_max_compiles(prof: remat.Profile) -> None:
+    plans = frontier_plans(prof, points=20)
+    budget = plans[len(plans) // 2].predicted_peak_bytes
+    calls: list = []
+    plan = solve_compiled(None, None, prof, budget, measure=_scaled(0.9, calls), max_compiles=2)
+    assert len(calls) <= 2 and plan.compiled_peak_bytes <= budget
+
+
+def test_bad_arguments_name_the_fix(prof: remat.Profile) -> None:
+    with pytest.raises(RematError, match="method must be one of"):
+        solve_compiled(None, None, prof, 10**9, method="chen", measure=lambda p: 0)
+    with pytest.raises(RematError, match="needs the model"):
+        remat.solve(prof, memory_budget=10**9, compiled=True)
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)])
+    return model, torch.randn(1024, 64)  # activations, not scratch, dominate the peak
+
+
+def _loss(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def test_compiled_peak_leaves_the_model_as_it_was() -> None:
+    model, x = _mlp()
+    model.eval()
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    plan = remat.Plan.keep_all(["0", "1", "2", "3"])
+    peak = compiled_peak_bytes(model, x, plan, loss_fn=_loss,
+                               compile_options={"backend": "aot_eager"})
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert peak > 2 * params  # parameters and their gradients, at least
+    assert not model.training
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert getattr(model, "_remat_state", None) is None
+
+
+def test_solve_compiled_end_to_end() -> None:
+    model, x = _mlp()
+    prof = remat.profile(model, x, loss_fn=_loss, repeats=1)
+    keep_peak = remat.simulate(prof, remat.Plan.keep_all([u.name for u in prof.units])).peak_bytes
+    budget = int(0.9 * keep_peak)
+    plan = remat.solve(model, x, budget, loss_fn=_loss, compiled=True,
+                       compile_options={"backend": "aot_eager"})
+    assert plan.compiled_peak_bytes <= budget
+    # The plan it returns compiles and trains like the model without it.
+    ref = copy.deepcopy(model)
+    _loss(ref(x), x).backward()
+    remat.apply_plan(model, plan)
+    _loss(torch.compile(model, backend="aot_eager")(x), x).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch._dynamo.reset()
