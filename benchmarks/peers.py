@@ -14,9 +14,9 @@ script measures:
 * ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` = f
   and 1.0 (the compiled reference), one compile per budget,
 * remat optimal + torch.compile: at each budget, the plan ``solve(...,
-  compiled=True)`` picks (the fastest optimal-frontier plan whose compiled step
-  fits, found by compiling a few candidates), applied to a copy that is then
-  compiled (activation_memory_budget 1.0).
+  compiled=True)`` picks (the fastest optimal-frontier plan and inductor
+  activation_memory_budget whose compiled step fits, found by compiling a few
+  candidates), applied to a copy that is then compiled at that budget.
 
 Every method runs on its own deep copy of one pristine model, with the same batch.
 Peaks include the persistent bytes (parameters, buffers and, allocated in the
@@ -466,30 +466,29 @@ def measure_remat_compiled(ref: ReferenceModel, pristine: nn.Module, profile: re
     """remat's plan for compiled training at ``fraction``, applied to a copy, then compiled.
 
     The plan comes from ``solve(..., compiled=True)`` (:mod:`remat.compiled`): the
-    fastest plan of the optimal frontier whose compiled step the allocator measures
-    within the budget. Compiled at the default ``activation_memory_budget`` (1.0:
-    inductor adds no recomputation of its own), so all the checkpointing is remat's.
-    A search that finds no fitting plan, or a plan that does not compile, becomes a
-    row whose note says why.
+    fastest (frontier plan, inductor ``activation_memory_budget``) whose compiled
+    step fits the budget, measured. It is compiled at that partitioner budget, as
+    :func:`remat.compiled.compile_planned` would. A search that finds no fitting
+    plan, or a plan that does not compile, becomes a row whose note says why.
     """
     def fresh(setting: str, plan: remat.Plan | None = None) -> Row:
         return Row(ref.name, REMAT_COMPILED, setting, COMPILED, budget_fraction=fraction,
                    predicted_peak_bytes=plan.compiled_peak_bytes if plan else None)
 
     try:
-        with activation_memory_budget(1.0):
-            t0 = time.perf_counter()
-            plan = solve_compiled(copy.deepcopy(pristine), ref.batch, profile,
-                                                 budget, loss_fn=ref.loss_fn)
-            search_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        plan = solve_compiled(copy.deepcopy(pristine), ref.batch, profile, budget,
+                              loss_fn=ref.loss_fn)
+        search_s = time.perf_counter() - t0
     except InfeasibleBudgetError as exc:
         row = fresh(f"f={fraction:g}: compiled search")
         row.note = f"no plan fits compiled: smallest measured {mib(exc.min_feasible_bytes)} MiB"
         return row
-    row = fresh(f"f={fraction:g}: {plan.summary()}", plan)
+    setting = f"f={fraction:g}: {plan.summary()}; amb={plan.activation_memory_budget:g}"
+    row = fresh(setting, plan)
     model = remat.apply_plan(copy.deepcopy(pristine), plan)
     try:
-        with activation_memory_budget(1.0):
+        with activation_memory_budget(plan.activation_memory_budget):
             run_compiled(row, ref, model, repeats, warmup)
     # Dynamo and inductor can raise almost anything (Unsupported, BackendCompilerFailed,
     # InternalTorchDynamoError, RuntimeError from a generated kernel...): whichever it
@@ -497,7 +496,7 @@ def measure_remat_compiled(ref: ReferenceModel, pristine: nn.Module, profile: re
     except Exception as exc:
         print(f"!! {ref.name} {REMAT_COMPILED} f={fraction:g} failed:\n"
               f"{traceback.format_exc()}", flush=True)
-        row = fresh(f"f={fraction:g}: {plan.summary()}", plan)
+        row = fresh(setting, plan)
         row.note = f"compile failed: {exception_text(exc)}"
         return row
     row.note = f"compiled search {search_s:.0f} s; " + row.note
@@ -886,13 +885,15 @@ METHOD_NOTES = [
     "fraction of the compiled graph's own saved activations, not of remat's budget; its "
     "row is judged against remat's budget at the same f.",
     "- **remat optimal + torch.compile f** is the plan `remat.solve(model, batch, budget, "
-    "compiled=True)` returns for the same f: the fastest plan of the optimal frontier "
-    "whose compiled step, measured with the allocator, fits the budget (a binary search "
-    "that compiles a few candidates; its time is in the note). It is applied with "
-    "`remat.apply_plan` to a fresh copy which is then `torch.compile`d at the default "
-    "`activation_memory_budget` (1.0: inductor adds no recomputation of its own, the "
-    "checkpointing is remat's), and measured like the torch.compile rows (allocator "
-    "peak, compile time in the note, dynamo reset before each compile). *predicted* is "
+    "compiled=True)` returns for the same f: remat searches two knobs, its plan (the "
+    "optimal frontier's plans) and inductor's `activation_memory_budget` (amb, 1.0 and "
+    "0.5), with a binary search per amb that compiles a few candidates and measures "
+    "their step with the allocator; of the fastest fitting plan per amb, the faster by "
+    "measured step time wins (the search's time is in the note). It is applied with "
+    "`remat.apply_plan` to a fresh copy which is then `torch.compile`d at its amb "
+    "(`remat.compiled.compile_planned` does the same), and measured like the "
+    "torch.compile rows (allocator peak, compile time in the note, dynamo reset before "
+    "each compile). *predicted* is "
     "the compiled peak the search measured for the plan. A budget no candidate fits "
     "compiled gets a row whose note gives the smallest compiled peak measured; a plan "
     "that fails to compile, one whose note gives the exception.",

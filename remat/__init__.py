@@ -10,6 +10,7 @@ _LAZY = {
     "profile": "remat.profiler", "measure": "remat.profiler",
     "apply_plan": "remat.runtime", "remove_plan": "remat.runtime",
     "solve": "remat.api", "pareto": "remat.api", "plot_pareto": "remat.plot",
+    "compile_planned": "remat.compiled",
 }
 __all__ = ["BudgetError", "InfeasibleBudgetError", "Option", "Plan", "PlanMismatchError",
            "Profile", "RematError", "simulate", *_LAZY]

@@ -89,13 +89,15 @@ def solve(
             predicate ``(name, module) -> bool``); default: discovered blocks.
         options: the options to consider (default: all the device offers).
         compiled: the model will train under ``torch.compile``: choose the fastest
-            plan of the optimal frontier whose *compiled* step, measured with the
-            allocator, fits the budget (:mod:`remat.compiled`; compiles a few
-            candidates; needs the model, not a profile).
+            plan of the optimal frontier, and inductor ``activation_memory_budget``,
+            whose *compiled* step, measured with the allocator, fits the budget
+            (:mod:`remat.compiled`; compiles a few candidates; needs the model, not a
+            profile). Compile the result with :func:`remat.compile_planned`.
         compile_options: keyword arguments for ``torch.compile`` when ``compiled``.
         **solver_params: passed to the algorithm (e.g. ``k`` for ``"uniform"``,
             ``time_limit_s`` for ``"ilp"``), or with ``compiled`` to
-            :func:`remat.compiled.solve_compiled` (``points``, ``max_compiles``).
+            :func:`remat.compiled.solve_compiled` (``partitioner_budgets``,
+            ``points``, ``max_compiles``).
 
     Returns:
         The :class:`Plan`, with its predicted peak and time.

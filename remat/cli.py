@@ -4,6 +4,7 @@
     python -m remat profile --model gpt --out profile.json
     python -m remat solve   --model gpt --budget 60% --measure
     python -m remat solve   --profile profile.json --budget 300MiB --method ilp
+    python -m remat solve   --model mlp --budget 70% --compiled
     python -m remat pareto  --model mymodule:make --out pareto.png
 
 ``--model`` takes a built-in name (``remat.models``) or ``module:function``, where
@@ -128,14 +129,28 @@ def _measure_plan(model: Any, batch: Any, loss_fn: Any, plan: Any) -> Any:
 def cmd_solve(args: argparse.Namespace) -> None:
     import remat
 
+    if args.compiled and getattr(args, "profile", None):
+        raise RematError("solve --compiled compiles candidate plans: it needs --model, "
+                         "not --profile")
     profile, model, batch, loss_fn, label = _profile_for(args)
-    plan = remat.solve(profile, memory_budget=args.budget, method=args.method)
+    if args.compiled:
+        from remat.compiled import solve_compiled
+
+        plan = solve_compiled(model, batch, profile, args.budget, method=args.method,
+                              loss_fn=loss_fn)
+    else:
+        plan = remat.solve(profile, memory_budget=args.budget, method=args.method)
     _print_table(_plan_rows(profile, plan))
     print(
         f"\n{label}: {plan.algorithm} ({plan.status}, {plan.solve_ms:.0f} ms to solve): "
         f"{plan.summary()}\npredicted peak {_mib(plan.predicted_peak_bytes)} MiB "
         f"(budget {_mib(plan.budget_bytes)} MiB), predicted step {plan.predicted_time_ms:.1f} ms"
     )
+    if plan.compiled_peak_bytes is not None:
+        print(f"compiled (torch.compile) peak {_mib(plan.compiled_peak_bytes)} MiB, step "
+              f"{plan.compiled_time_ms:.1f} ms, measured with inductor's "
+              f"activation_memory_budget={plan.activation_memory_budget:g} (compile with "
+              "remat.compile_planned)")
     if args.measure and model is not None:
         m = _measure_plan(model, batch, loss_fn, plan)
         print(f"measured  peak {_mib(m.peak_bytes)} MiB, measured step {m.time_ms:.1f} ms")
@@ -198,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True, help='e.g. "8GB", "512MiB", "60%%"')
     p.add_argument("--method", default="optimal")
     p.add_argument("--measure", action="store_true", help="apply the plan and measure a step")
+    p.add_argument("--compiled", action="store_true",
+                   help="the model will train under torch.compile: pick the fastest plan whose "
+                   "compiled step fits (compiles a few candidates)")
     p.add_argument("--out", help="write the plan as JSON")
     p.set_defaults(func=cmd_solve)
 

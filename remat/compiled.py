@@ -1,29 +1,37 @@
 """Plans for a model that will train under ``torch.compile``: chosen by measuring it compiled.
 
 remat's profile and simulator describe eager execution. Compiled, a plan's step
-holds other tensors: inductor's partitioner already recomputes cheap element-wise
-ops in the backward and fuses kernels, so a compiled step usually needs less
-memory than the eager prediction (and occasionally more). A plan solved for the
-eager figures then checkpoints more than the compiled model needs, and is slower
-than it has to be.
+holds other tensors: inductor fuses kernels, and its partitioner can recompute
+element-wise ops inside its backward kernels (how much is set by
+``torch._functorch.config.activation_memory_budget``). A plan solved for the eager
+figures may then checkpoint more than the compiled model needs, or fit eagerly
+and not compiled.
 
-:func:`solve_compiled` therefore measures instead of predicting. The candidates
-are the optimal plans along the eager frontier (:func:`frontier_plans`), fastest
-first. Each candidate tried is applied to the model, compiled, and run for a
-training step whose peak the allocator reports (:mod:`remat.allocator`: it sees
-compiled code, which the dispatch-level meter cannot). A binary search, starting
-from the eager optimum at the budget, finds the fastest candidate whose compiled
-step fits. It assumes that a plan with a lower eager peak also has a lower
-compiled peak (true along a frontier of nested choices, not guaranteed), so the
-plan is labelled ``feasible``, not ``optimal``; the figure it fits by is measured.
+:func:`solve_compiled` therefore measures instead of predicting, over two knobs:
+remat's plan and inductor's ``activation_memory_budget``. The plans are the
+optimal plans along the eager frontier (:func:`frontier_plans`), fastest first.
+For each partitioner budget (default 1.0, 0.7, 0.4, in that order), a binary
+search compiles candidates and measures their training step's peak with the
+allocator (:mod:`remat.allocator`: it sees compiled code, which the
+dispatch-level meter cannot), for the fastest plan that fits; the fitting
+candidates are also timed. A lower partitioner budget only searches the plans
+faster than the best found so far (more recomputation by inductor is worth it
+only if it lets a faster plan fit), and the search stops once keeping everything
+fits. Of the per-budget winners the fastest by measured step time is returned.
+The search assumes that a plan with a lower eager peak, or a lower partitioner
+budget, gives a lower compiled peak (usual, not guaranteed), so the plan is
+labelled ``feasible``, not ``optimal``; the figures it carries are measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +41,7 @@ from remat.allocator import allocator_peak
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.profiler.state import ModelState, clear_grads
 from remat.profiler.step import LossFn, fixed_bytes, forward_loss, model_device
+from remat.profiler.timing import Stopwatch
 from remat.runtime import apply_plan, remove_plan
 from remat.solver.budget import parse_budget
 from remat.solver.pareto import frontier_plans
@@ -40,14 +49,62 @@ from remat.solver.plan import Plan, Status
 from remat.solver.profile import Profile
 from remat.solver.solve import no_checkpoint_peak_bytes, solve_profile
 
-__all__ = ["compiled_peak_bytes", "solve_compiled"]
+__all__ = ["CompiledStep", "compile_planned", "measure_compiled", "solve_compiled"]
 
 log = logging.getLogger("remat")
 
 EXACT_METHODS = ("optimal", "dp", "ilp")
+DEFAULT_PARTITIONER_BUDGETS = (1.0, 0.7, 0.4)
 
 
-def compiled_peak_bytes(
+@dataclass(frozen=True)
+class CompiledStep:
+    """A compiled training step, measured: allocator peak (everything included), in
+    bytes, and median time in milliseconds (``None`` when not timed)."""
+
+    peak_bytes: int
+    time_ms: float | None = None
+
+
+@contextmanager
+def partitioner_budget(fraction: float) -> Iterator[None]:
+    """``torch._functorch.config.activation_memory_budget = fraction`` inside the block."""
+    if not 0.0 <= fraction <= 1.0:
+        raise RematError(f"activation_memory_budget must be within [0, 1], got {fraction}")
+    with torch._functorch.config.patch(activation_memory_budget=fraction):
+        yield
+
+
+class _PlannedCompiled(nn.Module):
+    """A compiled model whose calls run under the plan's partitioner budget."""
+
+    def __init__(self, model: nn.Module, fraction: float, compile_options: Mapping[str, Any]):
+        super().__init__()
+        self.model = model
+        self.fraction = fraction
+        self.compiled = torch.compile(model, **dict(compile_options))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Inductor reads the budget when it compiles, on a call, not in torch.compile().
+        with partitioner_budget(self.fraction):
+            return self.compiled(*args, **kwargs)
+
+
+def compile_planned(model: nn.Module, plan: Plan, **compile_options: Any) -> nn.Module:
+    """Apply ``plan`` to ``model`` (in place) and compile it as the plan was measured.
+
+    Returns a module that calls ``torch.compile(model, **compile_options)`` under the
+    plan's ``activation_memory_budget`` (1.0 when the plan has none), so that
+    inductor partitions the graph as it did when :func:`solve_compiled` measured it.
+    Train with the returned module; ``model`` holds the parameters.
+    """
+    if getattr(model, "_remat_state", None) is None:
+        apply_plan(model, plan)
+    fraction = plan.activation_memory_budget if plan.activation_memory_budget is not None else 1.0
+    return _PlannedCompiled(model, fraction, compile_options)
+
+
+def measure_compiled(
     model: nn.Module,
     sample_batch: Any,
     plan: Plan | None,
@@ -55,21 +112,26 @@ def compiled_peak_bytes(
     loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     compile_options: Mapping[str, Any] | None = None,
-) -> int:
-    """Peak of one compiled training step of ``model`` under ``plan``, everything included.
+    activation_memory_budget: float = 1.0,
+    time_if_within: int | None = None,
+    repeats: int = 5,
+) -> CompiledStep:
+    """One compiled training step of ``model`` under ``plan``: peak and (maybe) time.
 
     The plan (``None``: the model as it is) is applied, the model compiled with
-    ``torch.compile(model, **compile_options)``, and one step run to compile it
-    (with an optimizer, that step also creates its state). The next step is measured:
-    parameters, buffers and optimizer state, plus the allocator's peak above them
-    (gradients start cleared). Dynamo's caches are reset before and after
-    (``torch._dynamo.reset()``), so each plan compiles from nothing. The model is left
-    as it was: plan removed, and parameters, buffers, ``.grad``, modes, RNG and
-    optimizer state restored.
+    ``torch.compile(model, **compile_options)`` under ``activation_memory_budget``,
+    and one step run to compile it (with an optimizer, that step also creates its
+    state). The next step is measured: parameters, buffers and optimizer state, plus
+    the allocator's peak above them (gradients start cleared). When the peak is at
+    most ``time_if_within`` bytes, ``repeats`` more steps are timed (median).
+    Dynamo's caches are reset before and after (``torch._dynamo.reset()``), so each
+    plan compiles from nothing. The model is left as it was: plan removed, and
+    parameters, buffers, ``.grad``, modes, RNG and optimizer state restored.
     """
     device = model_device(model)
     state = ModelState.capture(model, optimizer)
     params = state.params
+    watch = Stopwatch(device)
     torch._dynamo.reset()
     try:
         if plan is not None:
@@ -82,21 +144,32 @@ def compiled_peak_bytes(
             if optimizer is not None:
                 optimizer.step()
 
-        with torch.enable_grad():
-            clear_grads(params)
-            step()  # compiles
+        def fresh() -> None:
             state.rng.restore()
             state.restore_buffers()
             clear_grads(params)
+
+        with torch.enable_grad(), partitioner_budget(activation_memory_budget):
+            clear_grads(params)
+            step()  # compiles
+            fresh()
             fixed = fixed_bytes(model, optimizer)
-            peak = allocator_peak(step, device_type=device.type)
+            peak = fixed + allocator_peak(step, device_type=device.type)
+            times = []
+            if time_if_within is not None and peak <= time_if_within:
+                for _ in range(repeats):
+                    fresh()
+                    times.append(watch.time(step)[1])
     finally:
         clear_grads(params)
         if plan is not None:
             remove_plan(model)
         state.restore()
         torch._dynamo.reset()
-    return fixed + peak
+    return CompiledStep(peak, statistics.median(times) if times else None)
+
+
+Measure = Callable[[Plan, float, int], CompiledStep]
 
 
 def solve_compiled(
@@ -109,11 +182,12 @@ def solve_compiled(
     loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     compile_options: Mapping[str, Any] | None = None,
+    partitioner_budgets: Sequence[float] = DEFAULT_PARTITIONER_BUDGETS,
     points: int = 20,
     max_compiles: int = 6,
-    measure: Callable[[Plan], int] | None = None,
+    measure: Measure | None = None,
 ) -> Plan:
-    """The fastest frontier plan whose compiled training step fits ``memory_budget``.
+    """The fastest (plan, partitioner budget) whose compiled training step fits ``memory_budget``.
 
     Args:
         model, sample_batch, loss_fn, optimizer: as for :func:`remat.solve`;
@@ -124,79 +198,123 @@ def solve_compiled(
         method: the exact algorithm that builds the frontier: ``"optimal"``,
             ``"dp"`` or ``"ilp"``.
         compile_options: keyword arguments of ``torch.compile`` (``backend``, ``mode``).
-        points: budgets along the eager frontier (distinct plans are the candidates).
-        max_compiles: at most this many candidates are compiled and measured.
-        measure: ``plan -> compiled peak bytes``; by default
-            :func:`compiled_peak_bytes` on ``model`` (tests pass their own).
+        partitioner_budgets: the ``activation_memory_budget`` values to search with
+            (each may cost a binary search; ``(1.0,)``: remat's checkpointing only).
+        points: budgets along the eager frontier (its distinct plans are the candidates).
+        max_compiles: at most this many candidates are compiled per partitioner budget.
+        measure: ``(plan, partitioner budget, time_if_within) -> CompiledStep``; by
+            default :func:`measure_compiled` on ``model`` (tests pass their own).
 
     Returns:
-        The plan, with ``compiled_peak_bytes`` (measured), ``status="feasible"`` and
-        ``algorithm`` ending in ``"+compiled"``. Its ``predicted_*`` figures stay the
-        eager simulation's.
+        The plan, with ``compiled_peak_bytes`` and ``compiled_time_ms`` (measured),
+        ``activation_memory_budget`` (compile it with :func:`compile_planned`),
+        ``status="feasible"`` and ``algorithm`` ending in ``"+compiled"``. Its
+        ``predicted_*`` figures stay the eager simulation's.
 
     Raises:
-        InfeasibleBudgetError: even the candidate with the lowest eager peak does
-            not fit compiled; it carries that candidate's measured compiled peak.
+        InfeasibleBudgetError: no candidate fits compiled; it carries the smallest
+            compiled peak measured.
     """
     if method not in EXACT_METHODS:
         raise RematError(
             f"compiled=True searches the optimal frontier: method must be one of "
             f"{list(EXACT_METHODS)}, got {method!r}"
         )
-    if max_compiles < 1:
-        raise RematError(f"max_compiles must be >= 1, got {max_compiles}")
+    if max_compiles < 1 or not partitioner_budgets:
+        raise RematError(
+            f"need max_compiles >= 1 and at least one partitioner budget, got "
+            f"{max_compiles=} {partitioner_budgets=}"
+        )
     started = time.perf_counter()
     budget = parse_budget(memory_budget, reference_peak_bytes=no_checkpoint_peak_bytes(profile))
     dp_method = "dp" if method == "optimal" else method
     candidates = frontier_plans(profile, points=points, method=dp_method)
     if measure is None:
-        def measure(plan: Plan) -> int:
-            return compiled_peak_bytes(model, sample_batch, plan, loss_fn=loss_fn,
-                                       optimizer=optimizer, compile_options=compile_options)
+        def measure(plan: Plan, fraction: float, within: int) -> CompiledStep:
+            return measure_compiled(model, sample_batch, plan, loss_fn=loss_fn,
+                                    optimizer=optimizer, compile_options=compile_options,
+                                    activation_memory_budget=fraction, time_if_within=within)
 
-    peaks: dict[int, int] = {}
-
-    def fits(i: int) -> bool:
-        if i not in peaks:
-            peaks[i] = measure(candidates[i])
-            log.info("remat: compiled candidate %d/%d (%s): peak %d B, budget %d B",
-                     i + 1, len(candidates), candidates[i].summary(), peaks[i], budget)
-        return peaks[i] <= budget
-
-    # Candidates run fastest (keep everything) to smallest eager peak; the first that
-    # fits is wanted. Start at the eager optimum for the budget: compiled steps are
-    # usually smaller, so the answer is usually there or faster.
-    lo, hi = 0, len(candidates) - 1  # the answer lies in [lo, hi], if anywhere
+    steps: dict[tuple[float, int], CompiledStep] = {}
+    winners: list[tuple[float, int]] = []
+    hi = len(candidates) - 1
     start = _eager_choice(candidates, profile, budget, dp_method)
-    best: int | None = None
-    probe = start
-    while lo <= hi and len(peaks) < max_compiles:
-        if fits(probe):
-            best, hi = probe, probe - 1
-        else:
-            lo = probe + 1
-        probe = (lo + hi) // 2
-    if best is None:
-        last = len(candidates) - 1
-        if not fits(last):  # may exceed max_compiles by one: the error needs the figure
-            raise InfeasibleBudgetError(
-                budget, peaks[last],
-                "measured compiled: the plan with the smallest eager peak "
-                f"({candidates[last].summary()}) peaks at {peaks[last]} B under torch.compile",
-            )
-        best = last
-    chosen = candidates[best]
+    for fraction in sorted(set(partitioner_budgets), reverse=True):
+        # Less partitioner budget means more recomputation by inductor: worth it only
+        # if it lets a faster plan fit than the best so far, so search only those.
+        best = _fastest_fitting(hi, min(start, hi), max_compiles,
+                                lambda i, f=fraction: _measured(steps, measure, candidates, f, i,
+                                                                budget))
+        if best is not None:
+            winners.append((fraction, best))
+            hi = start = best - 1
+        if hi < 0:
+            break  # keeping everything fits: nothing is faster
+    if not winners:
+        smallest = min(s.peak_bytes for s in steps.values())
+        raise InfeasibleBudgetError(
+            budget, smallest,
+            f"measured compiled: no plan of the frontier fits under torch.compile with "
+            f"activation_memory_budget in {list(partitioner_budgets)}; the smallest compiled "
+            f"peak measured is {smallest} B",
+        )
+    fraction, best = min(winners, key=lambda w: _time_or_inf(steps[w]))
+    chosen, step = candidates[best], steps[(fraction, best)]
     seconds = time.perf_counter() - started
-    log.info("remat: compiled search measured %d of %d candidates in %.1f s: %s, peak %d B",
-             len(peaks), len(candidates), seconds, chosen.summary(), peaks[best])
+    log.info("remat: compiled search measured %d configurations in %.1f s: %s with "
+             "activation_memory_budget %g, peak %d B, step %s ms", len(steps), seconds,
+             chosen.summary(), fraction, step.peak_bytes, step.time_ms)
     return dataclasses.replace(
         chosen,
         algorithm=f"{chosen.algorithm}+compiled",
         status=Status.FEASIBLE,
         budget_bytes=budget,
         solve_ms=seconds * 1e3,
-        compiled_peak_bytes=peaks[best],
+        compiled_peak_bytes=step.peak_bytes,
+        compiled_time_ms=step.time_ms,
+        activation_memory_budget=fraction,
     )
+
+
+def _time_or_inf(step: CompiledStep) -> float:
+    return step.time_ms if step.time_ms is not None else float("inf")
+
+
+def _measured(steps: dict[tuple[float, int], CompiledStep], measure: Measure,
+              candidates: list[Plan], fraction: float, i: int, budget: int) -> bool:
+    """Whether candidate ``i`` fits compiled at ``fraction`` (measured once, then cached)."""
+    key = (fraction, i)
+    if key not in steps:
+        steps[key] = measure(candidates[i], fraction, budget)
+        log.info("remat: compiled candidate %d/%d (%s) at activation_memory_budget %g: "
+                 "peak %d B (budget %d B), step %s ms", i + 1, len(candidates),
+                 candidates[i].summary(), fraction, steps[key].peak_bytes, budget,
+                 steps[key].time_ms)
+    return steps[key].peak_bytes <= budget
+
+
+def _fastest_fitting(hi: int, start: int, max_compiles: int,
+                     fits: Callable[[int], bool]) -> int | None:
+    """Binary search over candidates ``0..hi`` for the first (fastest) that fits,
+    probing ``start`` first.
+
+    At most ``max_compiles`` probes; if none of them fits, the candidate with the
+    smallest eager peak (``hi``) is tried once more, unless already probed.
+    """
+    lo, top = 0, hi  # the answer lies in [lo, top], if anywhere
+    best: int | None = None
+    probes: set[int] = set()
+    probe = min(max(start, 0), top)
+    while lo <= top and len(probes) < max_compiles:
+        probes.add(probe)
+        if fits(probe):
+            best, top = probe, probe - 1
+        else:
+            lo = probe + 1
+        probe = (lo + top) // 2
+    if best is None and hi >= 0 and hi not in probes and fits(hi):
+        best = hi
+    return best
 
 
 def _eager_choice(candidates: list[Plan], profile: Profile, budget: int, method: str) -> int:

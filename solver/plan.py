@@ -49,9 +49,14 @@ class Plan:
             (``None`` for a manual plan, which is checked by unit names only).
         unit_types: the units' class names, for error messages and checks.
         device: the device type the profile was measured on (``"cpu"``, ``"cuda"``).
-        compiled_peak_bytes: for a plan chosen for ``torch.compile`` (``solve(...,
-            compiled=True)``), the peak of its compiled training step as the
-            allocator measured it, in bytes; ``None`` otherwise.
+        compiled_peak_bytes, compiled_time_ms: for a plan chosen for
+            ``torch.compile`` (``solve(..., compiled=True)``), the peak of its compiled
+            training step as the allocator measured it, in bytes, and that step's
+            median time, in milliseconds; ``None`` otherwise.
+        activation_memory_budget: for such a plan, the
+            ``torch._functorch.config.activation_memory_budget`` it was measured with
+            (inductor's own recomputation; 1.0 is its default): compile it with
+            :func:`remat.compile_planned`, which sets it.
     """
 
     unit_names: tuple[str, ...]
@@ -67,6 +72,8 @@ class Plan:
     unit_types: tuple[str, ...] | None = None
     device: str | None = None
     compiled_peak_bytes: int | None = None
+    compiled_time_ms: float | None = None
+    activation_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_names", tuple(self.unit_names))

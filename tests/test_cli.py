@@ -45,12 +45,16 @@ def test_user_factory(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["solve", "--model", "my_factory:make", "--budget", "90%"]) == 0
     assert "predicted peak" in capsys.readouterr().out
+    assert main(["solve", "--model", "my_factory:make", "--budget", "90%", "--compiled"]) == 0
+    assert "compiled (torch.compile) peak" in capsys.readouterr().out
 
 
 def test_errors_are_reported_not_raised(capsys):
     assert main(["solve", "--model", "mlp", "--size", "tiny", "--budget", "lots"]) == 2
     assert "remat: error:" in capsys.readouterr().err
     assert main(["solve", "--model", "nosuchmodule:make", "--budget", "1GB"]) == 2
+    assert main(["solve", "--profile", "p.json", "--budget", "1GB", "--compiled"]) == 2
+    assert "needs --model" in capsys.readouterr().err
 
 
 @pytest.mark.slow

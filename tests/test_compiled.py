@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.compiled import compiled_peak_bytes, solve_compiled
+from remat.compiled import CompiledStep, compile_planned, measure_compiled, solve_compiled
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.solver.pareto import frontier_plans
 
@@ -24,11 +25,15 @@ def prof() -> remat.Profile:
     return transformer_like(6, seed=1, varied=True)
 
 
-def _scaled(factor: float, calls: list):
-    """A stand-in for compiling: the compiled peak is the eager prediction times ``factor``."""
-    def measure(plan: remat.Plan) -> int:
-        calls.append(plan)
-        return int(plan.predicted_peak_bytes * factor)
+def _scaled(factor: float, calls: list, *, slower: float = 1.0, shrink: float = 1.0):
+    """A stand-in for compiling: the compiled peak is the eager prediction times
+    ``factor`` (times ``shrink`` below partitioner budget 1), the time the eager
+    prediction (times ``slower`` below partitioner budget 1)."""
+    def measure(plan: remat.Plan, fraction: float, within: int) -> CompiledStep:
+        calls.append((plan, fraction))
+        peak = int(plan.predicted_peak_bytes * factor * (shrink if fraction < 1 else 1.0))
+        ms = plan.predicted_time_ms * (slower if fraction < 1 else 1.0)
+        return CompiledStep(peak, ms if peak <= within else None)
     return measure
 
 
@@ -52,16 +57,17 @@ def test_search_finds_the_fastest_candidate_that_fits(prof: remat.Profile, facto
         if not fitting:
             with pytest.raises(InfeasibleBudgetError) as info:
                 solve_compiled(None, None, prof, budget, measure=_scaled(factor, calls),
-                               max_compiles=len(plans))
+                               max_compiles=len(plans), partitioner_budgets=(1.0,))
             assert info.value.min_feasible_bytes == int(lo * factor)
             continue
         plan = solve_compiled(None, None, prof, budget, measure=_scaled(factor, calls),
-                              max_compiles=len(plans))
+                              max_compiles=len(plans), partitioner_budgets=(1.0,))
         assert (plan.options, plan.segments) == (fitting[0].options, fitting[0].segments)
         assert plan.compiled_peak_bytes == int(fitting[0].predicted_peak_bytes * factor)
         assert plan.compiled_peak_bytes <= budget
         assert plan.status == "feasible" and plan.algorithm.endswith("+compiled")
-        assert plan.budget_bytes == budget
+        assert plan.budget_bytes == budget and plan.activation_memory_budget == 1.0
+        assert plan.compiled_time_ms == fitting[0].predicted_time_ms
         # A binary search: far fewer compiles than candidates.
         assert len(calls) <= len(plans).bit_length() + 1
         assert remat.Plan.from_json(plan.to_json()) == plan
@@ -71,8 +77,45 @@ def test_search_respects_max_compiles(prof: remat.Profile) -> None:
     plans = frontier_plans(prof, points=20)
     budget = plans[len(plans) // 2].predicted_peak_bytes
     calls: list = []
-    plan = solve_compiled(None, None, prof, budget, measure=_scaled(0.9, calls), max_compiles=2)
+    plan = solve_compiled(None, None, prof, budget, measure=_scaled(0.9, calls), max_compiles=2,
+                          partitioner_budgets=(1.0,))
     assert len(calls) <= 2 and plan.compiled_peak_bytes <= budget
+
+
+@pytest.mark.parametrize("slower", [1.01, 1.5])
+def test_search_weighs_the_partitioner_budget_by_measured_time(prof: remat.Profile,
+                                                               slower: float) -> None:
+    """Below budget 1 inductor recomputes on its own: less memory, some time. The
+    search takes whichever winner measures faster."""
+    plans = frontier_plans(prof, points=20)
+    budget = plans[len(plans) // 2].predicted_peak_bytes
+    calls: list = []
+    plan = solve_compiled(None, None, prof, budget, max_compiles=len(plans),
+                          partitioner_budgets=(0.5, 1.0),  # searched from 1.0 down
+                          measure=_scaled(1.0, calls, slower=slower, shrink=0.7))
+    index = {f: next(i for i, p in enumerate(plans)
+                     if int(p.predicted_peak_bytes * (0.7 if f < 1 else 1)) <= budget)
+             for f in (1.0, 0.5)}
+    assert index[0.5] < index[1.0]  # budget 0.5 lets a faster plan fit
+    times = {f: plans[i].predicted_time_ms * (slower if f < 1 else 1.0) for f, i in index.items()}
+    fraction = min(times, key=times.get)
+    assert plan.activation_memory_budget == fraction
+    chosen = plans[index[fraction]]
+    assert (plan.options, plan.segments) == (chosen.options, chosen.segments)
+    assert plan.compiled_time_ms == pytest.approx(times[fraction])
+    # Budget 0.5 only searched the plans faster than budget 1.0's winner.
+    position = {(p.options, p.segments): i for i, p in enumerate(plans)}
+    assert all(position[(p.options, p.segments)] < index[1.0] for p, f in calls if f == 0.5)
+    assert {f for _, f in calls} == {1.0, 0.5}
+
+
+def test_search_stops_once_keeping_everything_fits(prof: remat.Profile) -> None:
+    plans = frontier_plans(prof, points=20)
+    calls: list = []
+    plan = solve_compiled(None, None, prof, plans[0].predicted_peak_bytes,
+                          measure=_scaled(1.0, calls))
+    assert plan.options == plans[0].options and plan.activation_memory_budget == 1.0
+    assert {f for _, f in calls} == {1.0}
 
 
 def test_bad_arguments_name_the_fix(prof: remat.Profile) -> None:
@@ -98,8 +141,10 @@ def test_compiled_peak_leaves_the_model_as_it_was() -> None:
     before = copy.deepcopy(model.state_dict())
     rng = torch.get_rng_state()
     plan = remat.Plan.keep_all(["0", "1", "2", "3"])
-    peak = compiled_peak_bytes(model, x, plan, loss_fn=_loss,
-                               compile_options={"backend": "aot_eager"})
+    step = measure_compiled(model, x, plan, loss_fn=_loss, time_if_within=10**12,
+                            compile_options={"backend": "aot_eager"})
+    peak = step.peak_bytes
+    assert step.time_ms is not None and step.time_ms > 0
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert peak > 2 * params  # parameters and their gradients, at least
     assert not model.training
@@ -120,8 +165,28 @@ def test_solve_compiled_end_to_end() -> None:
     # The plan it returns compiles and trains like the model without it.
     ref = copy.deepcopy(model)
     _loss(ref(x), x).backward()
-    remat.apply_plan(model, plan)
-    _loss(torch.compile(model, backend="aot_eager")(x), x).backward()
+    assert remat.compile_planned is compile_planned
+    compiled = compile_planned(model, plan, backend="aot_eager")
+    _loss(compiled(x), x).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+    torch._dynamo.reset()
+
+
+def test_compile_planned_compiles_under_the_plans_partitioner_budget() -> None:
+    seen: list[float] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.append(torch._functorch.config.activation_memory_budget)
+        return gm.forward
+
+    model, x = _mlp()
+    plan = dataclasses.replace(remat.Plan.keep_all(["0", "1", "2", "3"]),
+                               activation_memory_budget=0.5)
+    torch._dynamo.reset()
+    compiled = compile_planned(model, plan, backend=backend)
+    compiled(x)
+    assert seen and set(seen) == {0.5}
+    assert torch._functorch.config.activation_memory_budget == 1.0  # only while it runs
+    remat.remove_plan(model)
     torch._dynamo.reset()
