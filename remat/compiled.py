@@ -82,12 +82,13 @@ class _PlannedCompiled(nn.Module):
         super().__init__()
         self.model = model
         self.fraction = fraction
-        self.compiled = torch.compile(model, **dict(compile_options))
+        # Not a registered submodule: its parameters are the model's, listed once.
+        self.__dict__["_compiled"] = torch.compile(model, **dict(compile_options))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Inductor reads the budget when it compiles, on a call, not in torch.compile().
         with partitioner_budget(self.fraction):
-            return self.compiled(*args, **kwargs)
+            return self._compiled(*args, **kwargs)
 
 
 def compile_planned(model: nn.Module, plan: Plan, **compile_options: Any) -> nn.Module:

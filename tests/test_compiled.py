@@ -167,6 +167,7 @@ def test_solve_compiled_end_to_end() -> None:
     _loss(ref(x), x).backward()
     assert remat.compile_planned is compile_planned
     compiled = compile_planned(model, plan, backend="aot_eager")
+    assert list(compiled.state_dict()) == [f"model.{k}" for k in model.state_dict()]
     _loss(compiled(x), x).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
