@@ -331,7 +331,9 @@ def _measure_units(
                       max_rounds=1 if still_to_come[sig] else None)
             if pool.pending is not None:
                 pool.pending.release()
-            pool.pending, call = call, None
+                pool.pending = None
+            if not pool.samples.settled(timing.repeats, timing.tolerance):
+                pool.pending, call = call, None  # kept: its twins may not come
         # Replays ran BatchNorm's training forward again: put the running stats back.
         state.restore_buffers()
         if call is not None:
