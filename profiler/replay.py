@@ -37,7 +37,7 @@ from remat.profiler.capture import UnitCall
 from remat.profiler.state import clear_grads
 from remat.profiler.tensors import first_tensor_output, storage_nbytes
 from remat.profiler.timeline import TimelineMeter
-from remat.profiler.timing import Stopwatch, median, settled
+from remat.profiler.timing import Stopwatch, median, parts_settled
 from remat.runtime.options import forward_with_option
 
 __all__ = ["OptionFigures", "TimingSamples", "UnitTiming", "measure_option", "time_unit"]
@@ -180,16 +180,12 @@ class TimingSamples:
 
     def settled(self, repeats: int, tolerance: float) -> bool:
         """Every option's forward, backward and total pin their medians of ``repeats``
-        to within ``tolerance`` times the option's total (see :func:`settled`)."""
-        for o in self.options:
-            totals = [f + b for f, b in zip(self.fwd[o], self.bwd[o])]
-            if not totals:
-                return False
-            scale = min(totals)
-            if not all(settled(v, repeats=repeats, tolerance=tolerance, scale=scale)
-                       for v in (totals, self.fwd[o], self.bwd[o])):
-                return False
-        return True
+        to within ``tolerance`` times the option's total (:func:`parts_settled`)."""
+        return all(
+            parts_settled([f + b for f, b in zip(self.fwd[o], self.bwd[o])], self.fwd[o],
+                          self.bwd[o], repeats=repeats, tolerance=tolerance)
+            for o in self.options
+        )
 
     def timing(self) -> UnitTiming:
         """The medians."""

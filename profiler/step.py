@@ -24,7 +24,7 @@ from torch import nn
 from remat.errors import LossNotFoundError, ProfileError
 from remat.meter import MemoryMeter
 from remat.profiler.state import ModelState, clear_grads
-from remat.profiler.timing import Stopwatch, median, settled
+from remat.profiler.timing import Stopwatch, median, parts_settled
 
 __all__ = [
     "LossFn",
@@ -182,7 +182,7 @@ def time_steps(
     """Time ``warmup + repeats`` plain steps (grads cleared first); medians of the last ``repeats``.
 
     The timed steps stop early once the samples pin each median to within
-    ``tolerance`` times the step time (:func:`~remat.profiler.timing.settled`).
+    ``tolerance`` times the step time (:func:`~remat.profiler.timing.parts_settled`).
 
     RNG state and buffers are reset before each, so every step sees the same dropout
     masks and BatchNorm statistics.
@@ -202,8 +202,7 @@ def time_steps(
             total.append(f_ms + b_ms + o_ms)
             fwd.append(f_ms)
             bwd.append(b_ms)
-            if all(settled(v, repeats=repeats, tolerance=tolerance, scale=min(total))
-                   for v in (total, fwd, bwd)):
+            if parts_settled(total, fwd, bwd, repeats=repeats, tolerance=tolerance):
                 break
     clear_grads(state.params)
     return StepTimes(median(total), median(fwd), median(bwd))

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["Stopwatch", "median", "settled"]
+__all__ = ["Stopwatch", "median", "parts_settled", "settled"]
 
 T = TypeVar("T")
 
@@ -39,6 +39,17 @@ def settled(samples: Sequence[float], *, repeats: int, tolerance: float, scale: 
     if len(samples) < repeats // 2 + 1:
         return False
     return max(samples) - min(samples) <= tolerance * scale
+
+
+def parts_settled(totals: Sequence[float], *parts: Sequence[float], repeats: int,
+                  tolerance: float) -> bool:
+    """A total and its parts (forward, backward...) all :func:`settled`, each to within
+    ``tolerance`` times the smallest total (so a small part is judged against the whole)."""
+    if not totals:
+        return False
+    scale = min(totals)
+    return all(settled(v, repeats=repeats, tolerance=tolerance, scale=scale)
+               for v in (totals, *parts))
 
 
 class Stopwatch:
