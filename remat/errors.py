@@ -5,6 +5,8 @@ This module imports nothing heavy, so the torch-free solver can raise them too.
 
 from __future__ import annotations
 
+from remat.bytesize import format_bytes
+
 __all__ = [
     "BudgetError",
     "InfeasibleBudgetError",
@@ -31,8 +33,8 @@ class InfeasibleBudgetError(RematError):
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         msg = (
-            f"memory_budget={_fmt(budget_bytes)} is infeasible: the smallest peak any plan "
-            f"reaches is {_fmt(min_feasible_bytes)} ({min_feasible_bytes} bytes); pass a "
+            f"memory_budget={format_bytes(budget_bytes)} is infeasible: the smallest peak any "
+            f"plan reaches is {format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes); pass a "
             f"budget of at least that"
         )
         super().__init__(msg + (f". {detail}" if detail else ""))
@@ -53,12 +55,3 @@ class NoUnitsError(RematError):
 class LossNotFoundError(RematError):
     """The loss of a training step could not be determined."""
 
-
-def _fmt(n: int) -> str:
-    """Bytes in binary units, for messages: 1536 -> '1.50 KiB'."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return f"{value:.2f} GiB"

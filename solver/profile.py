@@ -30,7 +30,9 @@ from remat.errors import ProfileError
 __all__ = [
     "SCHEMA_VERSION",
     "Option",
+    "OPTION_ORDER",
     "OptionCost",
+    "OptionFacts",
     "OutsideCost",
     "Profile",
     "UnitProfile",
@@ -39,8 +41,32 @@ __all__ = [
 SCHEMA_VERSION = 1
 
 
+@dataclass(frozen=True)
+class OptionFacts:
+    """What an option needs and what it holds, independent of any unit.
+
+    Attributes:
+        needs_cuda: only runs on a CUDA device.
+        recomputes: runs the unit's forward again during its backward (a
+            ``torch.utils.checkpoint`` region).
+        holds_arguments: keeps every tensor argument of the unit alive until its
+            backward (a checkpoint region needs them to recompute).
+        holds_rng_state: stashes the RNG state for its recomputation (a tensor that
+            torch creates outside the dispatcher, so only the allocator sees it).
+    """
+
+    needs_cuda: bool = False
+    recomputes: bool = False
+    holds_arguments: bool = False
+    holds_rng_state: bool = False
+
+
 class Option(str, Enum):
-    """What the runtime can do with a unit's activations."""
+    """What the runtime can do with a unit's activations.
+
+    Members are strings (``Option.KEEP == "keep"``) and hash like them, so they
+    index the ``options`` mappings of a profile directly.
+    """
 
     KEEP = "keep"  # hold what autograd saves (no checkpointing)
     CHECKPOINT = "checkpoint"  # hold only the input; recompute the forward in backward
@@ -49,6 +75,33 @@ class Option(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+    @property
+    def facts(self) -> OptionFacts:
+        return _FACTS[self]
+
+    def unavailable_on(self, device_type: str) -> str | None:
+        """Why this option cannot run on ``device_type`` (``"cpu"``, ``"cuda"``), or ``None``."""
+        if self.facts.needs_cuda and device_type != "cuda":
+            return (
+                f"option {self.value!r} moves saved tensors from a CUDA device to pinned CPU "
+                f"memory, so it needs CUDA and cannot run on {device_type!r}; use 'checkpoint' "
+                "or 'selective' there"
+            )
+        return None
+
+
+_RECOMPUTE = OptionFacts(recomputes=True, holds_arguments=True, holds_rng_state=True)
+_FACTS: Mapping[Option, OptionFacts] = {
+    Option.KEEP: OptionFacts(),
+    Option.CHECKPOINT: _RECOMPUTE,
+    Option.SELECTIVE: _RECOMPUTE,
+    Option.OFFLOAD: OptionFacts(needs_cuda=True),
+}
+OPTION_ORDER: tuple[Option, ...] = tuple(Option)
 
 
 @dataclass(frozen=True)
