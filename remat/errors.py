@@ -34,8 +34,8 @@ class InfeasibleBudgetError(RematError):
         self.min_feasible_bytes = min_feasible_bytes
         msg = (
             f"memory_budget={format_bytes(budget_bytes)} is infeasible: the smallest peak any "
-            f"plan reaches is {format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes); pass a "
-            f"budget of at least that"
+            f"plan reaches is {format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes); "
+            "pass a budget of at least that"
         )
         super().__init__(msg + (f". {detail}" if detail else ""))
 
