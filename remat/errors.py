@@ -12,6 +12,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "LossNotFoundError",
     "NoUnitsError",
+    "PlanError",
     "PlanMismatchError",
     "ProfileError",
     "RematError",
@@ -44,7 +45,11 @@ class ProfileError(RematError, ValueError):
     """A profile that is malformed or cannot be used."""
 
 
-class PlanMismatchError(RematError):
+class PlanError(RematError, ValueError):
+    """A plan that is malformed (an unreadable or edited plan file, wrong field types)."""
+
+
+class PlanMismatchError(PlanError):
     """A plan applied to, or simulated against, a model or profile it was not made for."""
 
 
