@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import ProfileError
 from remat.profiler.state import RngState
-from remat.profiler.tensors import first_tensor_input, first_tensor_output, is_hf_cache
+from remat.runtime.boundary import boundary_input, boundary_output
+from remat.runtime.kv_cache import is_kv_cache, warn_kv_cache_once
 
 __all__ = ["Captured", "ChainCheck", "UnitCall", "UnitTrace", "check_chain", "trace_units"]
 
@@ -37,6 +38,7 @@ class Captured:
 
     tensor: torch.Tensor
     requires_grad: bool
+    boundary: bool = False  # the call's boundary input (:mod:`remat.runtime.boundary`)
 
     def fresh(self) -> torch.Tensor:
         """A new leaf on the same storage, requiring grad as the original did."""
@@ -60,20 +62,19 @@ class UnitCall:
 
     @property
     def first_input(self) -> Captured | None:
+        """The captured boundary input (``None`` when the call had no tensor argument)."""
         for leaf in tree_flatten((self.args, self.kwargs))[0]:
-            if isinstance(leaf, Captured):
+            if isinstance(leaf, Captured) and leaf.boundary:
                 return leaf
         return None
 
     def inputs(self, first: torch.Tensor | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Fresh ``(args, kwargs)`` for a replay: ``first`` as the first tensor input,
-        new leaves (requiring grad as in the model) for the other tensors."""
+        """Fresh ``(args, kwargs)`` for a replay: ``first`` as the boundary input, new
+        leaves (requiring grad as in the model) for the other tensors."""
         leaves, spec = tree_flatten((self.args, self.kwargs))
-        replaced_first = False
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, Captured):
-                leaves[i] = leaf.fresh() if replaced_first else first
-                replaced_first = True
+                leaves[i] = first if leaf.boundary else leaf.fresh()
         args, kwargs = tree_unflatten(leaves, spec)
         return tuple(args), dict(kwargs)
 
@@ -99,33 +100,17 @@ class UnitTrace:
     chain: ChainCheck
 
 
-_warned_kv_cache = False
-
-
-def _warn_kv_cache_once() -> None:
-    global _warned_kv_cache
-    if not _warned_kv_cache:
-        _warned_kv_cache = True
-        log.warning(
-            "remat: the model passes a KV cache to its units during a training step "
-            "(use_cache=True). The cache is useless in training and its memory is not in "
-            "the profile, so predictions can be low: set model.config.use_cache = False "
-            "for training (Hugging Face's gradient checkpointing does the same)."
-        )
-
-
-def _capture(value: Any) -> Any:
+def _capture(value: Any, boundary: torch.Tensor | None) -> Any:
     """Detach every tensor (keeping storage, not graph); drop Hugging Face caches."""
-    if is_hf_cache(value):
-        # A KV cache is mutated by every call: a replay on the captured one would
-        # attend over the keys appended by the first run. Replays run without one
-        # (training never reads the cache it builds), so what the cache holds in the
-        # real step is not in the profile: say so.
-        _warn_kv_cache_once()
+    if is_kv_cache(value):
+        # Replays run without the cache (see remat.runtime.kv_cache), so what the cache
+        # holds in the real step is not in the profile: say so.
+        warn_kv_cache_once()
         return None
     leaves, spec = tree_flatten(value)
     leaves = [
-        Captured(t.detach(), t.requires_grad) if isinstance(t, torch.Tensor) else t
+        Captured(t.detach(), t.requires_grad, boundary=t is boundary)
+        if isinstance(t, torch.Tensor) else t
         for t in leaves
     ]
     return tree_unflatten(leaves, spec)
@@ -172,7 +157,8 @@ def trace_units(
         if call.calls > 1:
             return
         order.append(call.name)
-        first = first_tensor_input(args, kwargs)
+        located = boundary_input(args, kwargs)
+        first = located[1] if located is not None else None
         if len(order) > 1:
             prev = order[-2]
             if first is None or first is not prev_output[0]:
@@ -181,8 +167,8 @@ def trace_units(
                 breaks.append(
                     f"{counter.ops[counter.gap]} op(s) run between {prev!r} and {call.name!r}"
                 )
-        call.args = tuple(_capture(a) for a in args)
-        call.kwargs = {k: _capture(v) for k, v in kwargs.items()}
+        call.args = tuple(_capture(a, first) for a in args)
+        call.kwargs = {k: _capture(v, first) for k, v in kwargs.items()}
         call.rng = RngState.capture()
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -191,7 +177,7 @@ def trace_units(
         counter.gap += 1
         if call.calls > 1:
             return
-        out = first_tensor_output(output)
+        out = boundary_output(output)
         prev_output[0] = out
         if out is not None:
             call.out_shape = tuple(out.shape)
@@ -235,16 +221,11 @@ def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None) -> Ch
     ``units`` as for :func:`~remat.profiler.units.discover_units`. The model is left
     as it was (buffers, RNG state, modes; no backward runs).
     """
-    from remat.profiler.state import ModelState
+    from remat.profiler.state import training_session
     from remat.profiler.step import call_model
     from remat.profiler.units import discover_units
 
     found = discover_units(model, units)
-    state = ModelState.capture(model)
-    try:
-        model.train()
-        with torch.enable_grad():
-            trace = trace_units(model, found, lambda: call_model(model, sample_batch))
-    finally:
-        state.restore()
+    with training_session(model):
+        trace = trace_units(model, found, lambda: call_model(model, sample_batch))
     return trace.chain

@@ -48,8 +48,8 @@ from torch import nn
 from remat.errors import ProfileError
 from remat.profiler.replay import OptionFigures
 from remat.profiler.step import LossFn, call_model, compute_loss
-from remat.profiler.tensors import first_tensor_input, first_tensor_output, storage_nbytes
 from remat.profiler.timeline import TimelineMeter
+from remat.runtime.boundary import boundary_input, boundary_output, storage_nbytes
 
 __all__ = ["BaselineStep", "instrumented_step"]
 
@@ -139,7 +139,8 @@ def instrumented_step(
         i = index[id(module)]
         mark(f"fs{i}")
         fwd_phase[0] = ("unit", i)
-        x = first_tensor_input(args, kwargs)
+        located = boundary_input(args, kwargs)
+        x = located[1] if located is not None else None
         in_rec[i] = meter.record_of(x)
         in_nbytes[i] = storage_nbytes(x) if in_rec[i] is not None else 0
         if x is not None and x.requires_grad:
@@ -149,7 +150,7 @@ def instrumented_step(
         i = index[id(module)]
         mark(f"fe{i}")
         fwd_phase[0] = ("between", i) if i < n - 1 else ("suffix",)
-        y = first_tensor_output(output)
+        y = boundary_output(output)
         out_rec[i] = meter.record_of(y)
         out_nbytes[i] = storage_nbytes(y) if out_rec[i] is not None else 0
         needs_bwd[i] = y is not None and y.requires_grad

@@ -59,7 +59,7 @@ from remat.profiler.replay import (
     measure_option,
     time_unit,
 )
-from remat.profiler.state import ModelState, clear_grads
+from remat.profiler.state import ModelState, clear_grads, training_session
 from remat.profiler.step import (
     LossFn,
     fixed_bytes,
@@ -72,21 +72,16 @@ from remat.profiler.step import (
 from remat.profiler.timing import Stopwatch
 from remat.profiler.twins import signature
 from remat.profiler.units import UnitsSpec, discover_units
+from remat.runtime.apply import planned
 from remat.solver.profile import Option, Profile
 
 __all__ = ["default_options", "profile"]
 
 log = logging.getLogger("remat")
 
-_PLAN_ATTR = "_remat_state"  # set on a model by remat.runtime.apply_plan
-
-
 def default_options(device: torch.device) -> tuple[str, ...]:
     """keep, checkpoint, selective; plus offload on CUDA."""
-    opts = [Option.KEEP.value, Option.CHECKPOINT.value, Option.SELECTIVE.value]
-    if device.type == "cuda":
-        opts.append(Option.OFFLOAD.value)
-    return tuple(opts)
+    return tuple(o.value for o in Option if o.unavailable_on(device.type) is None)
 
 
 def _resolve_options(options: Iterable[str | Option] | None, device: torch.device) -> list[str]:
@@ -98,11 +93,9 @@ def _resolve_options(options: Iterable[str | Option] | None, device: torch.devic
         value = o.value if isinstance(o, Option) else str(o)
         if value not in valid:
             raise ProfileError(f"unknown option {o!r}; valid options: {valid}")
-        if value == Option.OFFLOAD.value and device.type != "cuda":
-            raise ProfileError(
-                "option 'offload' moves saved tensors from a CUDA device to CPU memory; the "
-                f"model is on {device}: leave it out"
-            )
+        reason = Option(value).unavailable_on(device.type)
+        if reason is not None:
+            raise ProfileError(f"{reason}: the model is on {device}, leave it out of options=")
         if value not in chosen:
             chosen.append(value)
     return chosen
@@ -175,7 +168,7 @@ def profile(
             f"need repeats >= 1, warmup >= 0 and 0 <= tolerance < 1, got {repeats=} {warmup=} "
             f"{tolerance=}"
         )
-    if getattr(model, _PLAN_ATTR, None) is not None:
+    if planned(model) is not None:
         raise ProfileError(
             "the model has a plan applied: profile the model without it (a plan changes what "
             "its units save); call remat.remove_plan(model) first, or use remat.measure() to "
@@ -192,12 +185,9 @@ def profile(
     watch = Stopwatch(device)
     bar = Progress(len(found) + 3 + (optimizer is not None), progress)
     started = time.perf_counter()
-    state = ModelState.capture(model, optimizer)
-    params = state.params
     try:
-        clear_grads(params)
-        model.train()
-        with torch.enable_grad():
+        with training_session(model, optimizer) as state:
+            params = state.params
             bar.step("capture")
             trace = trace_units(model, found, lambda: forward_loss(model, sample_batch, loss_fn))
             ordered = [(name, trace.calls[name].module) for name in trace.order]
@@ -235,7 +225,6 @@ def profile(
                                               params, state, bar, policy)
     finally:
         bar.close()
-        state.restore()
 
     measured = Measurements(
         units=ordered,

@@ -35,9 +35,9 @@ from torch import nn
 
 from remat.profiler.capture import UnitCall
 from remat.profiler.state import clear_grads
-from remat.profiler.tensors import first_tensor_output, storage_nbytes
 from remat.profiler.timeline import TimelineMeter
 from remat.profiler.timing import Stopwatch, median, parts_settled
+from remat.runtime.boundary import boundary_output, storage_nbytes
 from remat.runtime.options import forward_with_option
 
 __all__ = ["OptionFigures", "TimingSamples", "UnitTiming", "measure_option", "time_unit"]
@@ -130,7 +130,7 @@ def measure_option(
     with TimelineMeter(device_type=device_type) as meter:
         out = forward_with_option(module, option, module.forward, args, kwargs)
         fwd = meter.mark("forward")
-        y = first_tensor_output(out)
+        y = boundary_output(out)
         del out  # other outputs die unless the unit saved them
         counted = meter.record_of(y) is not None
         held = meter.live_bytes - (storage_nbytes(y) if counted else 0)
@@ -236,7 +236,7 @@ def time_unit(
                                                                         a, k)
             )
             del args, kwargs
-            y = first_tensor_output(out)
+            y = boundary_output(out)
             del out
             seed = _OutputGradSource.apply(y) if y is not None and y.requires_grad else None
             del y

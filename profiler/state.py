@@ -9,15 +9,17 @@ optimizer's state are put back exactly as they were.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ModelState", "RngState", "clear_grads"]
+__all__ = ["ModelState", "RngState", "clear_grads", "training_session"]
 
 log = logging.getLogger("remat")
 
@@ -125,3 +127,24 @@ class ModelState:
         self.rng.restore()
         log.debug("restored model state (%d params, %d buffers)", len(self.params),
                   len(self._buffers))
+
+
+@contextlib.contextmanager
+def training_session(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> Iterator[ModelState]:
+    """Run measured training steps on ``model`` and leave no trace of them.
+
+    On entry: snapshot the model (and optimizer), clear ``.grad``, switch to train
+    mode and enable grad. On exit, also on error: put everything back
+    (:meth:`ModelState.restore`). Yields the snapshot, whose ``rng`` and
+    ``restore_buffers()`` reset the state between steps.
+    """
+    state = ModelState.capture(model, optimizer)
+    try:
+        clear_grads(state.params)
+        model.train()
+        with torch.enable_grad():
+            yield state
+    finally:
+        state.restore()

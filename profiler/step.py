@@ -23,7 +23,7 @@ from torch import nn
 
 from remat.errors import LossNotFoundError, ProfileError
 from remat.meter import MemoryMeter
-from remat.profiler.state import ModelState, clear_grads
+from remat.profiler.state import ModelState, clear_grads, training_session
 from remat.profiler.timing import Stopwatch, median, parts_settled
 
 __all__ = [
@@ -286,31 +286,25 @@ def measure_step(
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"need repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
     device = model_device(model)
-    state = ModelState.capture(model, optimizer)
-    params = state.params
     watch = Stopwatch(device)
-    try:
+    with training_session(model, optimizer) as state:
+        params = state.params
+        # Warm-up first: it creates the optimizer state, which is part of the
+        # fixed bytes of every later step, not of the measured one.
+        for _ in range(max(warmup, 1 if optimizer is not None else 0)):
+            _train_step(model, sample_batch, loss_fn, optimizer, params)
+            state.rng.restore()
+            state.restore_buffers()
         clear_grads(params)
-        model.train()
-        with torch.enable_grad():
-            # Warm-up first: it creates the optimizer state, which is part of the
-            # fixed bytes of every later step, not of the measured one.
-            for _ in range(max(warmup, 1 if optimizer is not None else 0)):
-                _train_step(model, sample_batch, loss_fn, optimizer, params)
-                state.rng.restore()
-                state.restore_buffers()
-            clear_grads(params)
-            watch.sync()
-            fixed = fixed_bytes(model, optimizer)
-            with MemoryMeter(device_type=device.type) as meter:
-                held = _train_step(model, sample_batch, loss_fn, optimizer, params, meter)
-                clear_grads(params)  # before the meter exits: the grads die inside it
-            peak = meter.peak_bytes
-            cuda_peak = meter.cuda_peak_bytes
-            times = time_steps(model, sample_batch, loss_fn, optimizer, state, watch, warmup=0,
-                               repeats=repeats)
-    finally:
-        state.restore()
+        watch.sync()
+        fixed = fixed_bytes(model, optimizer)
+        with MemoryMeter(device_type=device.type) as meter:
+            held = _train_step(model, sample_batch, loss_fn, optimizer, params, meter)
+            clear_grads(params)  # before the meter exits: the grads die inside it
+        peak = meter.peak_bytes
+        cuda_peak = meter.cuda_peak_bytes
+        times = time_steps(model, sample_batch, loss_fn, optimizer, state, watch, warmup=0,
+                           repeats=repeats)
     result = StepMeasurement(
         peak_bytes=fixed + peak,
         held_after_forward_bytes=held,

@@ -92,12 +92,7 @@ def signature(call: UnitCall) -> Hashable:
         parts.extend(_tensor_part(f"{name}.{b}", t)
                      for b, t in sub._buffers.items())  # named_buffers skips None ones
     leaves, spec = tree_flatten((call.args, call.kwargs))
-    first_seen = False
-    inputs: list[Hashable] = []
-    for leaf in leaves:
-        is_first = isinstance(leaf, Captured) and not first_seen
-        first_seen = first_seen or is_first
-        inputs.append(_input_part(leaf, is_first))
+    inputs = [_input_part(leaf, isinstance(leaf, Captured) and leaf.boundary) for leaf in leaves]
     parts.append(("inputs", str(spec), tuple(inputs)))
     parts.append(("output", call.out_shape, call.out_dtype, call.out_device,
                   call.out_requires_grad))

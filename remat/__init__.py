@@ -3,9 +3,11 @@
 from importlib import import_module
 
 from remat.errors import BudgetError, InfeasibleBudgetError, PlanMismatchError, RematError
-from remat.solver import Option, Plan, Profile, simulate
+from remat.solver.plan import Plan
+from remat.solver.profile import Option, Profile
+from remat.solver.simulate import simulate
 
-# Loaded on first use, so that `import remat.solver` never imports torch.
+# Loaded on first use: `import remat` imports neither torch nor ortools, pandas, matplotlib.
 _LAZY = {
     "profile": "remat.profiler", "measure": "remat.profiler",
     "apply_plan": "remat.runtime", "remove_plan": "remat.runtime",

@@ -39,10 +39,10 @@ from torch import nn
 
 from remat.allocator import allocator_peak
 from remat.errors import InfeasibleBudgetError, RematError
-from remat.profiler.state import ModelState, clear_grads
+from remat.profiler.state import clear_grads, training_session
 from remat.profiler.step import LossFn, fixed_bytes, forward_loss, model_device
 from remat.profiler.timing import Stopwatch
-from remat.runtime import apply_plan, remove_plan
+from remat.runtime import apply_plan, planned, remove_plan
 from remat.solver.budget import parse_budget
 from remat.solver.pareto import frontier_plans
 from remat.solver.plan import Plan, Status
@@ -99,7 +99,7 @@ def compile_planned(model: nn.Module, plan: Plan, **compile_options: Any) -> nn.
     inductor partitions the graph as it did when :func:`solve_compiled` measured it.
     Train with the returned module; ``model`` holds the parameters.
     """
-    if getattr(model, "_remat_state", None) is None:
+    if planned(model) != plan:  # none applied, or another one: this plan replaces it
         apply_plan(model, plan)
     fraction = plan.activation_memory_budget if plan.activation_memory_budget is not None else 1.0
     return _PlannedCompiled(model, fraction, compile_options)
@@ -130,42 +130,40 @@ def measure_compiled(
     parameters, buffers, ``.grad``, modes, RNG and optimizer state restored.
     """
     device = model_device(model)
-    state = ModelState.capture(model, optimizer)
-    params = state.params
     watch = Stopwatch(device)
     torch._dynamo.reset()
     try:
-        if plan is not None:
-            apply_plan(model, plan)
-        compiled = torch.compile(model, **dict(compile_options or {}))
-        model.train()
+        with training_session(model, optimizer) as state:
+            if plan is not None:
+                apply_plan(model, plan)
+            try:
+                compiled = torch.compile(model, **dict(compile_options or {}))
 
-        def step() -> None:
-            forward_loss(compiled, sample_batch, loss_fn).backward()
-            if optimizer is not None:
-                optimizer.step()
+                def step() -> None:
+                    forward_loss(compiled, sample_batch, loss_fn).backward()
+                    if optimizer is not None:
+                        optimizer.step()
 
-        def fresh() -> None:
-            state.rng.restore()
-            state.restore_buffers()
-            clear_grads(params)
+                def fresh() -> None:
+                    state.rng.restore()
+                    state.restore_buffers()
+                    clear_grads(state.params)
 
-        with torch.enable_grad(), partitioner_budget(activation_memory_budget):
-            clear_grads(params)
-            step()  # compiles
-            fresh()
-            fixed = fixed_bytes(model, optimizer)
-            peak = fixed + allocator_peak(step, device_type=device.type)
-            times = []
-            if time_if_within is not None and peak <= time_if_within:
-                for _ in range(repeats):
+                with partitioner_budget(activation_memory_budget):
+                    step()  # compiles
                     fresh()
-                    times.append(watch.time(step)[1])
+                    fixed = fixed_bytes(model, optimizer)
+                    peak = fixed + allocator_peak(step, device_type=device.type)
+                    times = []
+                    if time_if_within is not None and peak <= time_if_within:
+                        for _ in range(repeats):
+                            fresh()
+                            times.append(watch.time(step)[1])
+                clear_grads(state.params)
+            finally:
+                if plan is not None:
+                    remove_plan(model)
     finally:
-        clear_grads(params)
-        if plan is not None:
-            remove_plan(model)
-        state.restore()
         torch._dynamo.reset()
     return CompiledStep(peak, statistics.median(times) if times else None)
 

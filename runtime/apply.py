@@ -37,7 +37,6 @@ __all__ = ["apply_plan", "planned", "remove_plan"]
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_remat_state"
-_OPTIONS = frozenset(o.value for o in Option)
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -365,15 +364,16 @@ def _check_types(plan: Plan, modules: list[nn.Module]) -> None:
 
 
 def _check_options(plan: Plan) -> None:
-    bad = sorted({o for o in plan.options if o not in _OPTIONS})
+    valid = [o.value for o in Option]
+    bad = sorted({o for o in plan.options if o not in valid})
     if bad:
-        raise PlanMismatchError(f"unknown options {bad}; valid options: {sorted(_OPTIONS)}")
-    if Option.OFFLOAD.value in plan.options and not torch.cuda.is_available():
-        units = [n for n, o in zip(plan.unit_names, plan.options) if o == Option.OFFLOAD.value]
-        raise PlanMismatchError(
-            f"option 'offload' needs CUDA, which is not available here (units {units[:5]}); "
-            "solve again on this machine, or use 'checkpoint' / 'selective'"
-        )
+        raise PlanMismatchError(f"unknown options {bad}; valid options: {valid}")
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    for option in sorted({Option(o) for o in plan.options}):
+        reason = option.unavailable_on(here)
+        if reason is not None:
+            units = [n for n, o in zip(plan.unit_names, plan.options) if o == option]
+            raise PlanMismatchError(f"{reason} (units {units[:5]}); or solve again on this machine")
 
 
 def _check_device(model: nn.Module, plan: Plan) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch.utils.checkpoint import (
 )
 
 from remat.errors import RematError
+from remat.runtime.kv_cache import drop_kv_cache
 from remat.solver.profile import Option
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "frozen_batchnorm_stats",
     "option_is_active",
     "selective_policy",
-    "without_kv_cache",
 ]
 
 logger = logging.getLogger(__name__)
@@ -138,47 +137,6 @@ def checkpoint_context_fn(
     return context_fn
 
 
-_warned_kv_cache = False
-
-
-def _is_kv_cache(value: Any) -> bool:
-    # Only a Hugging Face Cache object is recognised, and only when transformers
-    # is already imported (a model holding one has imported it).
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    return cache_utils is not None and isinstance(value, cache_utils.Cache)
-
-
-def without_kv_cache(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Drop Hugging Face KV caches from a call whose forward will be recomputed.
-
-    A layer writes its keys and values into the cache during the forward, so
-    recomputing it would write them a second time (the cache grows and later
-    reads see the wrong length). Hugging Face's own gradient checkpointing does
-    the same: ``use_cache=False`` and no cache object for checkpointed layers,
-    unless the layer declares ``_can_checkpoint_with_cache`` (it only reads).
-    Gradients are unchanged; the model's returned cache stays empty.
-    """
-    global _warned_kv_cache
-    if getattr(module, "_can_checkpoint_with_cache", False):
-        return args, kwargs
-    dropped = any(_is_kv_cache(v) for v in (*args, *kwargs.values()))
-    if dropped:
-        args = tuple(None if _is_kv_cache(a) else a for a in args)
-        kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
-    if kwargs.get("use_cache"):
-        kwargs = {**kwargs, "use_cache": False}
-        dropped = True
-    if dropped and not _warned_kv_cache:
-        _warned_kv_cache = True
-        logger.warning(
-            "remat: the KV cache is incompatible with recomputation; checkpointed layers "
-            "run with use_cache=False (as with Hugging Face gradient checkpointing)"
-        )
-    return args, kwargs
-
-
 def option_is_active(module: nn.Module, option: str) -> bool:
     """Whether ``option`` does anything for this call.
 
@@ -205,18 +163,16 @@ def forward_with_option(
     if not option_is_active(module, option):
         return forward(*args, **kwargs)
     if option in (Option.CHECKPOINT.value, Option.SELECTIVE.value):
-        args, kwargs = without_kv_cache(module, args, kwargs)
+        args, kwargs = drop_kv_cache(module, args, kwargs)
         context_fn = checkpoint_context_fn([module], option)
         extra = {} if context_fn is None else {"context_fn": context_fn}
         # kwargs go through a partial so they can never collide with checkpoint's own.
         fn = functools.partial(forward, **kwargs) if kwargs else forward
         return checkpoint(fn, *args, use_reentrant=False, **extra)
     if option == Option.OFFLOAD.value:
-        if not torch.cuda.is_available():
-            raise RematError(
-                "option 'offload' moves saved tensors from a CUDA device to CPU memory and "
-                "needs CUDA; use 'checkpoint' or 'selective' on this machine"
-            )
+        reason = Option.OFFLOAD.unavailable_on("cuda" if torch.cuda.is_available() else "cpu")
+        if reason is not None:
+            raise RematError(reason)
         with torch.autograd.graph.save_on_cpu(pin_memory=True):
             return forward(*args, **kwargs)
     raise RematError(f"unknown option {option!r}; valid options: {[o.value for o in Option]}")

@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,52 +46,15 @@ from torch import nn
 from torch.utils import checkpoint as _ckpt
 
 from remat.errors import RematError
-from remat.runtime.options import checkpoint_context_fn, without_kv_cache
+from remat.runtime.boundary import Slot, boundary_input, boundary_output
+from remat.runtime.kv_cache import drop_kv_cache
+from remat.runtime.options import checkpoint_context_fn
+from remat.runtime.torch_checkpoint import checkpoint_generator
+from remat.solver.profile import Option
 
-__all__ = ["SegmentRunner", "first_tensor"]
+__all__ = ["SegmentRunner"]
 
 logger = logging.getLogger(__name__)
-
-_CHECKPOINT = "checkpoint"
-# Older torch releases have no ``early_stop`` parameter in the generator.
-_GENERATOR_HAS_EARLY_STOP = (
-    "early_stop" in inspect.signature(_ckpt._checkpoint_without_reentrant_generator).parameters
-)
-
-Slot = int | str  # where a call's chained tensor sits: a positional index or a keyword
-
-
-def first_tensor(value: Any) -> torch.Tensor | None:
-    """The first tensor in a unit's output: itself, or the first one in a tuple, list,
-    dict (Hugging Face ``ModelOutput`` is one) or dataclass, searched depth first."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, Mapping):
-        items: Sequence[Any] = list(value.values())
-    elif isinstance(value, (tuple, list)):
-        items = value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [getattr(value, f.name) for f in dataclasses.fields(value)]
-    else:
-        return None
-    for item in items:
-        found = first_tensor(item)
-        if found is not None:
-            return found
-    return None
-
-
-def _first_tensor_argument(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Slot, torch.Tensor] | None:
-    """Where a call's first top-level tensor argument is (positional first, then keywords)."""
-    for i, arg in enumerate(args):
-        if isinstance(arg, torch.Tensor):
-            return i, arg
-    for key, arg in kwargs.items():
-        if isinstance(arg, torch.Tensor):
-            return key, arg
-    return None
 
 
 @dataclasses.dataclass
@@ -138,7 +100,7 @@ class _Replay:
                 if devices:
                     _ckpt.set_device_states(devices, device_states)
             out = call.call(x)
-            nxt = first_tensor(out)
+            nxt = boundary_output(out)
             if nxt is None:  # only the last call may return no tensor
                 return
             x = nxt
@@ -162,14 +124,8 @@ class _OpenSegment:
         self._between: torch.autograd.graph.saved_tensors_hooks | None = None
         # BatchNorm statistics are restored after recomputation, for every module of
         # the segment, so they update once per step.
-        context_fn = checkpoint_context_fn(modules, _CHECKPOINT) or _ckpt.noop_context_fn
-        # The generator's parameters (fn, preserve_rng_state, context_fn,
-        # determinism_check, debug[, early_stop]) come before its *args, so they are
-        # passed by position; ``first_input`` is then the one input it saves.
-        params: tuple[Any, ...] = (self.replay, True, context_fn, "default", False)
-        if _GENERATOR_HAS_EARLY_STOP:
-            params += (True,)
-        self._gen = _ckpt._checkpoint_without_reentrant_generator(*params, first_input)
+        context_fn = checkpoint_context_fn(modules, Option.CHECKPOINT) or _ckpt.noop_context_fn
+        self._gen = checkpoint_generator(self.replay, first_input, context_fn=context_fn)
         next(self._gen)  # saves the input and pushes the checkpoint's saved-tensor hooks
 
     # -- running units --------------------------------------------------------------
@@ -237,7 +193,7 @@ class _OpenSegment:
         if index == b:
             self.close()
             return True
-        out = first_tensor(output)
+        out = boundary_output(output)
         if out is None:
             error = RematError(
                 f"unit '{self.names[index]}' of segment {a}-{b} returned no tensor, so it "
@@ -353,7 +309,7 @@ class SegmentRunner:
         """Run unit ``index`` (a member of a segment) while the segment is active."""
         a, b = bounds = self.segment_of[index]
         module = self.modules[index]
-        args, kwargs = without_kv_cache(module, args, kwargs)
+        args, kwargs = drop_kv_cache(module, args, kwargs)
         seg = self._open
         if seg is not None and not (seg.bounds == bounds and seg.continues_with(index)):
             self.close()
@@ -382,15 +338,15 @@ class SegmentRunner:
         self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Slot, torch.Tensor]:
         """Where the call starting a segment takes the tensor the segment holds, and that tensor."""
-        located = _first_tensor_argument(args, kwargs)
-        if located is None:
+        located = boundary_input(args, kwargs)
+        if located is None or located[0] is None:
             a, b = self.segment_of[index]
             raise RematError(
                 f"unit '{self.names[index]}' starts segment {a}-{b} but was called "
-                "without a tensor argument to hold and recompute from; segments cannot "
-                "be used here"
+                "without a top-level tensor argument to hold and recompute from; segments "
+                "cannot be used here"
             )
-        return located
+        return located[0], located[1]
 
     # -- under torch.compile -------------------------------------------------------
     def call_ahead(
@@ -407,7 +363,7 @@ class SegmentRunner:
         other arguments and returns the output computed for it.
         """
         a, b = bounds = self.segment_of[index]
-        args, kwargs = without_kv_cache(self.modules[index], args, kwargs)
+        args, kwargs = drop_kv_cache(self.modules[index], args, kwargs)
         ahead = self._ahead
         if ahead is not None and ahead.bounds == bounds and index == ahead.next_index:
             return self._hand_out(ahead, index, args, kwargs)
@@ -426,7 +382,7 @@ class SegmentRunner:
             tuple(self.names[a : b + 1]),
             _UnitCall(forward_of(a), args, kwargs, slot),
         )
-        context_fn = checkpoint_context_fn(self.modules[a : b + 1], _CHECKPOINT)
+        context_fn = checkpoint_context_fn(self.modules[a : b + 1], Option.CHECKPOINT)
         extra = {} if context_fn is None else {"context_fn": context_fn}
         outputs = _ckpt.checkpoint(run, first_input, use_reentrant=False, **extra)
         if b > a:
@@ -437,7 +393,7 @@ class SegmentRunner:
         self, ahead: _Ahead, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         a, b = ahead.bounds
-        expected = first_tensor(ahead.outputs[index - a - 1])
+        expected = boundary_output(ahead.outputs[index - a - 1])
         chained = args[ahead.slot] if isinstance(ahead.slot, int) else kwargs.get(ahead.slot)
         if chained is not expected or not _same_arguments(ahead, args, kwargs):
             self._ahead = None
@@ -502,7 +458,7 @@ def _run_chained(
     for k, forward in enumerate(forwards):
         out = dataclasses.replace(first, forward=forward).call(x)
         outputs.append(out)
-        nxt = first_tensor(out)
+        nxt = boundary_output(out)
         if nxt is None and k < len(forwards) - 1:
             raise RematError(
                 f"unit '{names[k]}' returned no tensor, so it cannot be chained into "

@@ -87,8 +87,8 @@ class Option(str, Enum):
         """Why this option cannot run on ``device_type`` (``"cpu"``, ``"cuda"``), or ``None``."""
         if self.facts.needs_cuda and device_type != "cuda":
             return (
-                f"option {self.value!r} moves saved tensors from a CUDA device to pinned CPU "
-                f"memory, so it needs CUDA and cannot run on {device_type!r}; use 'checkpoint' "
+                f"option {self.value!r} needs CUDA (it moves saved tensors from a CUDA device "
+                f"to pinned CPU memory), so it cannot run on {device_type!r}; use 'checkpoint' "
                 "or 'selective' there"
             )
         return None

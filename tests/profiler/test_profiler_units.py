@@ -9,6 +9,8 @@ from torch import nn
 from remat import models
 from remat.errors import LossNotFoundError, NoUnitsError, ProfileError
 from remat.profiler import discover_units, profile
+from remat.runtime import apply_plan
+from remat.solver.plan import Plan
 
 
 class Block(nn.Module):
@@ -194,7 +196,7 @@ def test_execution_order_not_registration_order() -> None:
 
 def test_planned_model_is_refused() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    model._remat_state = object()  # what remat.runtime.apply_plan leaves on a model
+    apply_plan(model, Plan.checkpoint_all(["0", "1"]))
     with pytest.raises(ProfileError, match="remove_plan"):
         profile(model, torch.randn(2, 4), loss_fn=lambda o, b: o.sum())
 
