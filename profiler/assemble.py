@@ -15,21 +15,19 @@ between units, off a chain, counts as prefix). They are informational:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from remat.profiler.capture import ChainCheck
-from remat.profiler.instrument import BaselineStep
+from remat.profiler.instrument import BaselineStep, UnitInStep
 from remat.profiler.replay import OptionFigures, UnitTiming
 from remat.profiler.step import StepTimes
 from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
 
 __all__ = ["Measurements", "build_profile", "input_shapes", "model_dtype"]
-
-_KEEP = Option.KEEP.value
 
 
 @dataclass
@@ -78,16 +76,21 @@ def _split(total: float, parts: Mapping[str, float]) -> dict[str, float]:
     return {k: total * v / weight for k, v in parts.items()}
 
 
-def _dedupe_shared_boundaries(base: BaselineStep, holds_input: list[bool], is_chain: bool) -> None:
+def _dedupe_shared_boundaries(
+    units: tuple[UnitInStep, ...], holds_input: list[bool], is_chain: bool
+) -> tuple[UnitInStep, ...]:
     """Off a chain, a unit's input can be the previous unit's output storage (a view ran
     between them): count it once, as that output, held from outside while the next unit
     (or outside code) holds it."""
     if is_chain:
-        return
-    for i in range(1, base.n):
-        if base.input_is_prev_output[i]:
-            base.input_bytes[i] = 0
-            base.output_held_outside[i - 1] |= holds_input[i] or base.input_held_outside[i]
+        return units
+    out = list(units)
+    for i in range(1, len(out)):
+        if out[i].input_is_prev_output:
+            held = out[i - 1].output_held_outside or holds_input[i] or out[i].input_held_outside
+            out[i - 1] = replace(out[i - 1], output_held_outside=held)
+            out[i] = replace(out[i], input_bytes=0)
+    return tuple(out)
 
 
 def _extra_ms(option: str, timing: UnitTiming, keep_ms: float) -> float:
@@ -96,22 +99,21 @@ def _extra_ms(option: str, timing: UnitTiming, keep_ms: float) -> float:
     ``checkpoint`` recomputes the unit's forward once: its keep forward time. The
     other options are timed (forward + backward) and compared with keep.
     """
-    if option == _KEEP:
+    if option == Option.KEEP:
         return 0.0
     if option == Option.CHECKPOINT.value and option not in timing.total_ms:
-        return timing.fwd_ms[_KEEP]
+        return timing.fwd_ms[Option.KEEP]
     return max(timing.total_ms[option] - keep_ms, 0.0)
 
 
 def _unit_profile(
     name: str,
     module: nn.Module,
-    i: int,
-    base: BaselineStep,
+    in_step: UnitInStep,
     figures: dict[str, OptionFigures],
     timing: UnitTiming,
 ) -> UnitProfile:
-    keep_ms = timing.total_ms[_KEEP]
+    keep_ms = timing.total_ms[Option.KEEP]
     costs = {
         o: OptionCost(
             held_bytes=f.held_bytes,
@@ -126,15 +128,15 @@ def _unit_profile(
     return UnitProfile(
         name=name,
         type_name=type(module).__name__,
-        fwd_ms=timing.fwd_ms[_KEEP],
-        bwd_ms=timing.bwd_ms[_KEEP],
-        input_bytes=base.input_bytes[i],
-        output_bytes=base.output_bytes[i],
-        input_grad_bytes=figures[_KEEP].input_grad_bytes,
-        param_grad_bytes=base.unit_param_grad[i],
+        fwd_ms=timing.fwd_ms[Option.KEEP],
+        bwd_ms=timing.bwd_ms[Option.KEEP],
+        input_bytes=in_step.input_bytes,
+        output_bytes=in_step.output_bytes,
+        input_grad_bytes=figures[Option.KEEP].input_grad_bytes,
+        param_grad_bytes=in_step.param_grad_bytes,
         options=costs,
-        input_held_outside=base.input_held_outside[i],
-        output_held_outside=base.output_held_outside[i],
+        input_held_outside=in_step.input_held_outside,
+        output_held_outside=in_step.output_held_outside,
     )
 
 
@@ -148,11 +150,11 @@ def build_profile(
 ) -> Profile:
     """The :class:`Profile` of measurements ``m`` (see the module docstring for times)."""
     base = m.base
-    _dedupe_shared_boundaries(
-        base, [m.figures[n][_KEEP].holds_input for n, _ in m.units], m.chain.is_chain
+    in_step = _dedupe_shared_boundaries(
+        base.units, [m.figures[n][Option.KEEP].holds_input for n, _ in m.units], m.chain.is_chain
     )
     units = [
-        _unit_profile(name, module, i, base, m.figures[name], m.timings[name])
+        _unit_profile(name, module, in_step[i], m.figures[name], m.timings[name])
         for i, (name, module) in enumerate(m.units)
     ]
     fwd_ms = _split(m.step.forward_ms - sum(u.fwd_ms for u in units), {
@@ -167,18 +169,18 @@ def build_profile(
         units=tuple(units),
         is_chain=m.chain.is_chain,
         prefix=OutsideCost(
-            held_bytes=base.prefix_held,
-            fwd_peak_bytes=max(base.prefix_fwd_peak, 0),
-            bwd_peak_bytes=max(base.prefix_bwd_peak, 0),
-            param_grad_bytes=base.prefix_param_grad,
+            held_bytes=base.prefix.held_bytes,
+            fwd_peak_bytes=max(base.prefix.fwd_peak_bytes, 0),
+            bwd_peak_bytes=max(base.prefix.bwd_peak_bytes, 0),
+            param_grad_bytes=base.prefix.param_grad_bytes,
             fwd_ms=fwd_ms["prefix"],
             bwd_ms=bwd_ms["prefix"],
         ),
         suffix=OutsideCost(
-            held_bytes=base.suffix_held,
-            fwd_peak_bytes=max(base.suffix_fwd_peak, 0),
-            bwd_peak_bytes=max(base.suffix_bwd_peak, 0),
-            param_grad_bytes=base.suffix_param_grad,
+            held_bytes=base.suffix.held_bytes,
+            fwd_peak_bytes=max(base.suffix.fwd_peak_bytes, 0),
+            bwd_peak_bytes=max(base.suffix.bwd_peak_bytes, 0),
+            param_grad_bytes=base.suffix.param_grad_bytes,
             fwd_ms=fwd_ms["suffix"],
             bwd_ms=bwd_ms["suffix"],
         ),

@@ -1,10 +1,11 @@
 """The instrumented baseline step: what the code *outside* the units costs.
 
 One ordinary training step (no checkpointing) runs under a :class:`TimelineMeter`
-with marks at every unit boundary:
+with marks at every unit boundary, each kept by the unit's own record
+(:class:`_UnitWatch`):
 
 * forward pre/post hooks on the units mark where each unit starts and ends;
-* tensor hooks on each unit's first input and output mark where its backward
+* tensor hooks on each unit's boundary input and output mark where its backward
   starts (its output's gradient is ready) and ends (its input's gradient is
   ready). Tensor hooks do not change the graph, unlike module backward hooks;
 * ``saved_tensors_hooks`` (identity) record which code saved which storage, to
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,44 +52,203 @@ from remat.profiler.step import LossFn, call_model, compute_loss
 from remat.profiler.timeline import TimelineMeter
 from remat.runtime.boundary import boundary_input, boundary_output, storage_nbytes
 
-__all__ = ["BaselineStep", "instrumented_step"]
+__all__ = ["BaselineStep", "OutsideFigures", "UnitInStep", "instrumented_step"]
 
 log = logging.getLogger("remat")
 
-Phase = tuple[Any, ...]  # ("prefix",), ("unit", i), ("between", i), ("suffix",), ("outside", i)
+# Who was running when a storage was saved for backward: ("prefix",), ("unit", i),
+# ("between", i) (code after unit i, off a chain) or ("suffix",).
+Phase = tuple[Any, ...]
 
 
-@dataclass
+# ---------------------------------------------------------------------------------
+# What the step gives
+# ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OutsideFigures:
+    """The prefix's or the suffix's bytes in the step, above the fixed bytes."""
+
+    held_bytes: int = 0
+    fwd_peak_bytes: int = 0
+    bwd_peak_bytes: int = 0
+    param_grad_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class UnitInStep:
+    """One unit as the step saw it: its boundaries, who holds them, its gradients.
+
+    ``input_bytes`` / ``output_bytes`` are 0 for a boundary whose storage was not
+    allocated during the step (a tensor of the sample batch): it is alive all along
+    and not part of the measured peak.
+
+    Attributes:
+        input_bytes, output_bytes: its boundary storages' bytes.
+        input_held_outside, output_held_outside: code outside the unit (and, on a
+            chain, outside its neighbour) saved that storage for backward.
+        input_is_prev_output: its input storage is the previous unit's output storage.
+        param_grad_bytes: parameter-gradient bytes first allocated in its backward.
+        held_bytes: what it allocated in its forward and still held at the end of
+            the forward pass, its output excluded.
+        keep: on a chain, its keep figures read off the step (``None`` where the step
+            cannot tell them, see :func:`_keep_figures`).
+    """
+
+    input_bytes: int
+    output_bytes: int
+    input_held_outside: bool
+    output_held_outside: bool
+    input_is_prev_output: bool
+    param_grad_bytes: int
+    held_bytes: int
+    keep: OptionFigures | None = None
+
+
+@dataclass(frozen=True)
 class BaselineStep:
     """Byte figures of the outside code and the unit boundaries, from one instrumented step.
 
-    All bytes are above the fixed bytes. ``input_bytes`` / ``output_bytes`` are 0 for
-    a boundary whose storage was not allocated during the step (a tensor of the
-    sample batch): it is alive all along and not part of the measured peak.
+    All bytes are above the fixed bytes.
     """
 
-    n: int
-    prefix_held: int = 0
-    prefix_fwd_peak: int = 0
-    prefix_bwd_peak: int = 0
-    prefix_param_grad: int = 0
-    suffix_held: int = 0
-    suffix_fwd_peak: int = 0
-    suffix_bwd_peak: int = 0
-    suffix_param_grad: int = 0
-    unit_param_grad: list[int] = field(default_factory=list)
-    input_bytes: list[int] = field(default_factory=list)
-    output_bytes: list[int] = field(default_factory=list)
-    input_held_outside: list[bool] = field(default_factory=list)
-    output_held_outside: list[bool] = field(default_factory=list)
-    input_is_prev_output: list[bool] = field(default_factory=list)
-    peak_bytes: int = 0
-    held_after_forward_bytes: int = 0
-    step_unit_held: list[int] = field(default_factory=list)
-    forward_transient_bytes: int = 0
-    loss_bytes: int = 0
-    phase_ms: dict[str, float] = field(default_factory=dict)
-    keep: list[OptionFigures | None] = field(default_factory=list)  # on a chain, per unit
+    units: tuple[UnitInStep, ...]
+    is_chain: bool
+    prefix: OutsideFigures
+    suffix: OutsideFigures
+    peak_bytes: int
+    held_after_forward_bytes: int
+    forward_transient_bytes: int
+    loss_bytes: int
+    phase_ms: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.units)
+
+    @property
+    def keep(self) -> list[OptionFigures | None]:
+        """Per unit its keep figures read off the step; empty off a chain."""
+        return [u.keep for u in self.units] if self.is_chain else []
+
+
+# ---------------------------------------------------------------------------------
+# Watching the step
+# ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Mark:
+    """A meter mark: its position in ``meter.marks``, its tick, and the wall clock."""
+
+    index: int
+    tick: int
+    live_bytes: int
+    clock: float
+
+
+@dataclass
+class _UnitWatch:
+    """What the hooks see of one unit while the step runs."""
+
+    index: int
+    name: str
+    input_record: int | None = None
+    input_bytes: int = 0
+    output_record: int | None = None
+    output_bytes: int = 0
+    output_needs_grad: bool = False
+    input_grad_bytes: int = 0
+    fwd_start: _Mark | None = None
+    fwd_end: _Mark | None = None
+    bwd_start: _Mark | None = None  # its output's gradient is ready
+    bwd_end: _Mark | None = None  # its input's gradient is ready
+
+
+class _StepWatch:
+    """The meter, the units' records, and who saved what, for one instrumented step."""
+
+    def __init__(self, meter: TimelineMeter, units: list[tuple[str, nn.Module]]) -> None:
+        self.meter = meter
+        self.units = [_UnitWatch(i, name) for i, (name, _) in enumerate(units)]
+        self.by_module = {id(m): self.units[i] for i, (_, m) in enumerate(units)}
+        self.phase: Phase = ("prefix",)  # who runs now, in the forward pass
+        self.saved: list[tuple[Phase, int]] = []  # (saver, storage record)
+        self.backward_marks: list[tuple[str, _UnitWatch, _Mark]] = []  # in the order made
+        self.first_grad_tick: dict[int, int] = {}  # id(param) -> clock at its first gradient
+        self.handles: list[Any] = []
+        self.start = self.forward_end = self.backward_end = self.mark()
+
+    def mark(self) -> _Mark:
+        reading = self.meter.mark()
+        return _Mark(len(self.meter.marks) - 1, self.meter.clock, reading.live_bytes,
+                     time.perf_counter())
+
+    # -- module hooks -------------------------------------------------------------
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        u = self.by_module[id(module)]
+        u.fwd_start = self.mark()
+        self.phase = ("unit", u.index)
+        located = boundary_input(args, kwargs)
+        x = located[1] if located is not None else None
+        u.input_record = self.meter.record_of(x)
+        u.input_bytes = storage_nbytes(x) if u.input_record is not None else 0
+        if x is not None and x.requires_grad:
+            self.handles.append(x.register_hook(self._backward_hook(u, "end")))
+
+    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        u = self.by_module[id(module)]
+        u.fwd_end = self.mark()
+        self.phase = ("between", u.index) if u.index < len(self.units) - 1 else ("suffix",)
+        y = boundary_output(output)
+        u.output_record = self.meter.record_of(y)
+        u.output_bytes = storage_nbytes(y) if u.output_record is not None else 0
+        u.output_needs_grad = y is not None and y.requires_grad
+        if u.output_needs_grad:
+            self.handles.append(y.register_hook(self._backward_hook(u, "start")))
+
+    def _backward_hook(self, u: _UnitWatch, which: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if getattr(u, f"bwd_{which}") is not None:
+                return
+            mark = self.mark()
+            setattr(u, f"bwd_{which}", mark)
+            self.backward_marks.append((which, u, mark))
+            if which == "end":
+                u.input_grad_bytes = storage_nbytes(grad)
+
+        return hook
+
+    # -- saved tensors ------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        rec = self.meter.record_of(t)
+        if rec is not None:  # parameters, buffers and the batch have no record
+            self.saved.append((self.phase, rec))
+        # A detached alias: same storage, same lifetime, but no reference cycle
+        # through grad_fn when an op saves its own output.
+        return t.detach()
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def saved_by(self, rec: int | None, phase: Phase) -> bool:
+        return rec is not None and any(rec == s and p == phase for p, s in self.saved)
+
+    def held_outside(self, rec: int | None, own: set[Phase]) -> bool:
+        return rec is not None and any(rec == s and p not in own for p, s in self.saved)
+
+    def backward_phase(self, tick: int) -> Phase:
+        """The backward phase running at ``tick``: ``("suffix",)``, ``("unit", i)`` or
+        ``("outside", i)`` (after unit i's backward: the prefix, or code between units)."""
+        phase: Phase = ("suffix",)
+        for which, u, mark in self.backward_marks:
+            if mark.tick >= tick:
+                break
+            # On a chain one tensor is unit i's input and unit i-1's output, so "end of
+            # unit i" and "start of unit i-1" are marked together, in either order.
+            if which == "start":
+                phase = ("unit", u.index)
+            elif phase == ("unit", u.index):
+                phase = ("outside", u.index)
+        return phase
 
 
 def instrumented_step(
@@ -105,118 +265,48 @@ def instrumented_step(
 
     Gradients must be ``None`` on entry (they are allocated inside the region).
     """
-    n = len(units)
-    index = {id(m): i for i, (_, m) in enumerate(units)}
     meter = TimelineMeter(device_type=device_type)
-    clock: dict[str, float] = {}
-    fwd_phase: list[Phase] = [("prefix",)]
-    in_rec: list[int | None] = [None] * n
-    out_rec: list[int | None] = [None] * n
-    in_nbytes = [0] * n
-    out_nbytes = [0] * n
-    saved: list[tuple[Phase, int]] = []
-    in_grad_nbytes = [0] * n
-    needs_bwd = [False] * n  # the unit's first output requires grad
-    first_grad_tick: dict[int, int] = {}  # id(param) -> clock at its first gradient
     grad_records: dict[int, int] = {}  # gradient storage record -> tick it is counted from
-    handles: list[Any] = []
-
-    def mark(label: str) -> None:
-        meter.mark(label)
-        clock[label] = time.perf_counter()
-
-    def backward_event(kind: str, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            label = f"{kind}{i}"
-            if label not in meter.ticks:
-                mark(label)
-                if kind == "be":
-                    in_grad_nbytes[i] = storage_nbytes(grad)
-
-        return hook
-
-    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        i = index[id(module)]
-        mark(f"fs{i}")
-        fwd_phase[0] = ("unit", i)
-        located = boundary_input(args, kwargs)
-        x = located[1] if located is not None else None
-        in_rec[i] = meter.record_of(x)
-        in_nbytes[i] = storage_nbytes(x) if in_rec[i] is not None else 0
-        if x is not None and x.requires_grad:
-            handles.append(x.register_hook(backward_event("be", i)))
-
-    def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        i = index[id(module)]
-        mark(f"fe{i}")
-        fwd_phase[0] = ("between", i) if i < n - 1 else ("suffix",)
-        y = boundary_output(output)
-        out_rec[i] = meter.record_of(y)
-        out_nbytes[i] = storage_nbytes(y) if out_rec[i] is not None else 0
-        needs_bwd[i] = y is not None and y.requires_grad
-        if needs_bwd[i]:
-            handles.append(y.register_hook(backward_event("bs", i)))
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        rec = meter.record_of(t)
-        if rec is not None:  # parameters, buffers and the batch have no record
-            saved.append((fwd_phase[0], rec))
-        # A detached alias: same storage, same lifetime, but no reference cycle
-        # through grad_fn when an op saves its own output.
-        return t.detach()
-
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    try:
-        for _, m in units:
-            handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
-        with meter:
-            mark("start")
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with meter:
+        watch = _StepWatch(meter, units)
+        try:
+            for _, m in units:
+                watch.handles.append(m.register_forward_pre_hook(watch.pre_hook, with_kwargs=True))
+                watch.handles.append(m.register_forward_hook(watch.post_hook, with_kwargs=True))
+            with torch.autograd.graph.saved_tensors_hooks(watch.pack, watch.unpack):
                 output = call_model(model, batch)
                 loss = compute_loss(output, batch, loss_fn)
                 del output
-            mark("F")
+            watch.forward_end = watch.mark()
             # The caller's loss (and the seed gradient backward() makes for it) stay
             # alive through the whole backward pass, whatever storage the loss has.
             loss_bytes = (
                 loss.untyped_storage().nbytes() if meter.record_of(loss) is not None else 0
             ) + loss.numel() * loss.element_size()
-            handles.extend(_hook_gradient_producers(loss, model, meter, first_grad_tick))
+            watch.handles.extend(
+                _hook_gradient_producers(loss, model, meter, watch.first_grad_tick)
+            )
             loss.backward()
             del loss
-            mark("B")
+            watch.backward_end = watch.mark()
             for p in model.parameters():
                 rec = meter.record_of(p.grad)
                 if rec is not None:
-                    tick = first_grad_tick.get(id(p), meter.records[rec].born)
+                    tick = watch.first_grad_tick.get(id(p), meter.records[rec].born)
                     grad_records[rec] = min(tick, grad_records.get(rec, tick))
             if optimizer is not None:
                 optimizer.step()
-                mark("O")
-    finally:
-        for h in handles:
-            h.remove()
+        finally:
+            for h in watch.handles:
+                h.remove()
 
-    missing = [name for i, (name, _) in enumerate(units)
-               if f"fs{i}" not in meter.ticks or f"fe{i}" not in meter.ticks]
+    missing = [u.name for u in watch.units if u.fwd_start is None or u.fwd_end is None]
     if missing:
         raise ProfileError(
             f"units {missing} ran in the first forward pass but not in the second; the "
             "profiler needs the same units to run on every step with this batch"
         )
-    figures = _figures(meter, clock, n, is_chain, in_rec, out_rec, in_nbytes, out_nbytes, saved,
-                       grad_records)
-    figures.loss_bytes = loss_bytes
-    if is_chain:
-        figures.keep = [
-            _keep_figures(meter, i, in_rec[i], out_rec[i], needs_bwd[i], saved, in_grad_nbytes[i],
-                          figures.step_unit_held[i])
-            for i in range(n)
-        ]
-    return figures
+    return _figures(watch, is_chain, grad_records, loss_bytes)
 
 
 def _hook_gradient_producers(
@@ -249,131 +339,117 @@ def _hook_gradient_producers(
     return handles
 
 
+# ---------------------------------------------------------------------------------
+# Reading the figures off the timeline
+# ---------------------------------------------------------------------------------
 def _figures(
-    meter: TimelineMeter,
-    clock: dict[str, float],
-    n: int,
-    is_chain: bool,
-    in_rec: list[int | None],
-    out_rec: list[int | None],
-    in_nbytes: list[int],
-    out_nbytes: list[int],
-    saved: list[tuple[Phase, int]],
-    grad_records: dict[int, int],
+    w: _StepWatch, is_chain: bool, grad_records: dict[int, int], loss_bytes: int
 ) -> BaselineStep:
-    tick, reading = meter.ticks, meter.readings
-    F = tick["F"]
-    last = n - 1
-    r = BaselineStep(n)
-    r.peak_bytes = meter.peak_bytes
-    r.held_after_forward_bytes = reading["F"].live_bytes
+    meter, units = w.meter, w.units
+    first, last = units[0], units[-1]
+    F = w.forward_end.tick
 
     # -- forward: what each outside part allocated and still holds at the end -----
-    r.prefix_fwd_peak = meter.peak_between("start", "fs0")
-    r.prefix_held = meter.alive_bytes(F, born_until=tick["fs0"], exclude=[in_rec[0]])
-    for i in range(last):  # code between units (none on a chain): folded into the prefix
-        r.prefix_held += meter.alive_bytes(
-            F, born_after=tick[f"fe{i}"], born_until=tick[f"fs{i + 1}"], exclude=[in_rec[i + 1]]
-        )
-    r.suffix_held = meter.alive_bytes(F, born_after=tick[f"fe{last}"], born_until=F)
+    prefix_held = meter.alive_bytes(F, born_until=first.fwd_start.tick,
+                                    exclude=[first.input_record])
+    for u, nxt in zip(units, units[1:]):  # code between units (none on a chain): the prefix's
+        prefix_held += meter.alive_bytes(F, born_after=u.fwd_end.tick,
+                                         born_until=nxt.fwd_start.tick,
+                                         exclude=[nxt.input_record])
+    suffix_held = meter.alive_bytes(F, born_after=last.fwd_end.tick, born_until=F)
     # Storages alive when the suffix starts that are not held (the prefix's locals
     # that live until the model's forward returns, say) still weigh on the suffix's
     # peak, while simulate() counts only held bytes there: add them to its peak.
     # On a chain simulate() still counts the last unit's output there; off a chain
     # it has already let it go unless someone holds it.
-    transient = meter.dying_bytes(
-        tick[f"fe{last}"], F, exclude=[out_rec[last]] if is_chain else []
-    )
-    r.suffix_fwd_peak = (
-        meter.peak_between(f"fe{last}", "F") - reading[f"fe{last}"].live_bytes + transient
-    )
-    r.step_unit_held = [
-        meter.alive_bytes(
-            F, born_after=tick[f"fs{i}"], born_until=tick[f"fe{i}"], exclude=[out_rec[i]]
-        )
-        for i in range(n)
-    ]
-    r.forward_transient_bytes = max(
-        meter.dying_bytes(tick[f"fs{i}"], F, exclude=[in_rec[i]]) for i in range(n)
+    transient = meter.dying_bytes(last.fwd_end.tick, F,
+                                  exclude=[last.output_record] if is_chain else [])
+    suffix_fwd_peak = (meter.peak_between(last.fwd_end.index, w.forward_end.index)
+                       - last.fwd_end.live_bytes + transient)
+    forward_transient = max(
+        meter.dying_bytes(u.fwd_start.tick, F, exclude=[u.input_record]) for u in units
     )
 
-    # -- backward ---------------------------------------------------------------------
-    if f"bs{last}" in tick:
-        r.suffix_bwd_peak = meter.peak_between("F", f"bs{last}") - reading["F"].live_bytes
-    if "be0" in tick:
-        r.prefix_bwd_peak = meter.peak_between("be0", "B") - reading["be0"].live_bytes
-    r.unit_param_grad = [0] * n
-    for rec, first_tick in grad_records.items():
-        phase = _backward_phase(meter, first_tick)
+    # -- backward -------------------------------------------------------------------
+    suffix_bwd_peak = prefix_bwd_peak = 0
+    if last.bwd_start is not None:
+        suffix_bwd_peak = (meter.peak_between(w.forward_end.index, last.bwd_start.index)
+                           - w.forward_end.live_bytes)
+    if first.bwd_end is not None:
+        prefix_bwd_peak = (meter.peak_between(first.bwd_end.index, w.backward_end.index)
+                           - first.bwd_end.live_bytes)
+    unit_param_grad = [0] * len(units)
+    suffix_param_grad = prefix_param_grad = 0
+    for rec, tick in grad_records.items():
+        phase = w.backward_phase(tick)
         nbytes = meter.records[rec].nbytes
         if phase[0] == "unit":
-            r.unit_param_grad[phase[1]] += nbytes
+            unit_param_grad[phase[1]] += nbytes
         elif phase[0] == "suffix":
-            r.suffix_param_grad += nbytes
+            suffix_param_grad += nbytes
         else:  # the prefix, and off a chain the code between units
-            r.prefix_param_grad += nbytes
+            prefix_param_grad += nbytes
 
-    # -- boundaries ---------------------------------------------------------------------
-    def held_outside(rec: int | None, own: set[Phase]) -> bool:
-        return rec is not None and any(rec == s and p not in own for p, s in saved)
+    # -- the units and their boundaries -----------------------------------------------
+    def neighbours(i: int, step: int) -> set[Phase]:
+        own = {("unit", i)}
+        return own | {("unit", i + step)} if is_chain else own
 
-    r.input_bytes, r.output_bytes = list(in_nbytes), list(out_nbytes)
-    r.input_is_prev_output = [False] + [
-        in_rec[i] is not None and in_rec[i] == out_rec[i - 1] for i in range(1, n)
-    ]
-    r.input_held_outside = [
-        held_outside(in_rec[i], {("unit", i)} | ({("unit", i - 1)} if is_chain else set()))
-        for i in range(n)
-    ]
-    r.output_held_outside = [
-        held_outside(out_rec[i], {("unit", i)} | ({("unit", i + 1)} if is_chain else set()))
-        for i in range(n)
-    ]
+    records = []
+    for u in units:
+        i = u.index
+        held = meter.alive_bytes(F, born_after=u.fwd_start.tick, born_until=u.fwd_end.tick,
+                                 exclude=[u.output_record])
+        in_step = UnitInStep(
+            input_bytes=u.input_bytes,
+            output_bytes=u.output_bytes,
+            input_held_outside=w.held_outside(u.input_record, neighbours(i, -1)),
+            output_held_outside=w.held_outside(u.output_record, neighbours(i, +1)),
+            input_is_prev_output=(i > 0 and u.input_record is not None
+                                  and u.input_record == units[i - 1].output_record),
+            param_grad_bytes=unit_param_grad[i],
+            held_bytes=held,
+        )
+        keep = _keep_figures(w, u, held) if is_chain else None
+        records.append(in_step if keep is None else _with_keep(in_step, keep))
 
     # -- wall time of the outside phases (under instrumentation: proportions only) ----
-    end_fwd = clock["F"]
-    r.phase_ms = {
-        "prefix_fwd": (clock["fs0"] - clock["start"]) * 1e3,
-        "between_fwd": sum(clock[f"fs{i + 1}"] - clock[f"fe{i}"] for i in range(last)) * 1e3,
-        "suffix_fwd": (end_fwd - clock[f"fe{last}"]) * 1e3,
-        "suffix_bwd": (clock.get(f"bs{last}", end_fwd) - end_fwd) * 1e3,
-        "prefix_bwd": (clock["B"] - clock["be0"]) * 1e3 if "be0" in clock else 0.0,
+    end_fwd = w.forward_end.clock
+    phase_ms = {
+        "prefix_fwd": (first.fwd_start.clock - w.start.clock) * 1e3,
+        "between_fwd": sum(nxt.fwd_start.clock - u.fwd_end.clock
+                           for u, nxt in zip(units, units[1:])) * 1e3,
+        "suffix_fwd": (end_fwd - last.fwd_end.clock) * 1e3,
+        "suffix_bwd": ((last.bwd_start.clock if last.bwd_start else end_fwd) - end_fwd) * 1e3,
+        "prefix_bwd": (w.backward_end.clock - first.bwd_end.clock) * 1e3
+        if first.bwd_end else 0.0,
     }
+    step = BaselineStep(
+        units=tuple(records),
+        is_chain=is_chain,
+        prefix=OutsideFigures(prefix_held, meter.peak_between(w.start.index, first.fwd_start.index),
+                              prefix_bwd_peak, prefix_param_grad),
+        suffix=OutsideFigures(suffix_held, suffix_fwd_peak, suffix_bwd_peak, suffix_param_grad),
+        peak_bytes=meter.peak_bytes,
+        held_after_forward_bytes=w.forward_end.live_bytes,
+        forward_transient_bytes=forward_transient,
+        loss_bytes=loss_bytes,
+        phase_ms=phase_ms,
+    )
     log.debug("baseline step: held after forward %d B, peak %d B, per-unit held in step %s",
-              r.held_after_forward_bytes, r.peak_bytes, r.step_unit_held)
-    return r
+              step.held_after_forward_bytes, step.peak_bytes, [u.held_bytes for u in records])
+    return step
 
 
-def _backward_phase(meter: TimelineMeter, tick: int) -> Phase:
-    """The backward phase running at ``tick``: ``("suffix",)``, ``("unit", i)`` or
-    ``("outside", i)`` (after unit i's backward: the prefix, or code between units)."""
-    labels = [m.label for m in meter.marks]
-    phase: Phase = ("suffix",)
-    for label in labels[labels.index("F") + 1 :]:
-        if label in ("B", "O") or meter.ticks[label] >= tick:
-            break
-        kind, i = label[:2], int(label[2:])
-        # On a chain one tensor is unit i's input and unit i-1's output, so "end of
-        # unit i" and "start of unit i-1" are marked together, in either order.
-        if kind == "bs":
-            phase = ("unit", i)
-        elif phase == ("unit", i):
-            phase = ("outside", i)
-    return phase
+def _with_keep(u: UnitInStep, keep: OptionFigures) -> UnitInStep:
+    return UnitInStep(u.input_bytes, u.output_bytes, u.input_held_outside, u.output_held_outside,
+                      u.input_is_prev_output, u.param_grad_bytes, u.held_bytes, keep)
 
 
-def _keep_figures(
-    meter: TimelineMeter,
-    i: int,
-    in_rec: int | None,
-    out_rec: int | None,
-    needs_bwd: bool,
-    saved: list[tuple[Phase, int]],
-    in_grad_nbytes: int,
-    held: int,
-) -> OptionFigures | None:
-    """Unit ``i``'s keep figures read off the step, as :func:`~remat.profiler.replay.measure_option`
-    defines them; ``None`` where the step cannot tell.
+def _keep_figures(w: _StepWatch, u: _UnitWatch, held: int) -> OptionFigures | None:
+    """Unit ``u``'s keep figures read off the step, as
+    :func:`~remat.profiler.replay.measure_option` defines them; ``None`` where the step
+    cannot tell.
 
     It cannot when a boundary storage is not the step's (the batch: whether the unit
     holds it is not on the timeline); when one outlives the step (something other than
@@ -383,19 +459,26 @@ def _keep_figures(
     requires grad (both marks then needed, the input's only when it takes a
     gradient) and runs no backward otherwise (no mark may then appear either).
     """
-    tick, reading = meter.ticks, meter.readings
-    fs, fe, bs, be = f"fs{i}", f"fe{i}", f"bs{i}", f"be{i}"
-    if in_rec is None or out_rec is None or (bs in tick, be in tick) != (needs_bwd, needs_bwd):
+    meter = w.meter
+    marked = (u.bwd_start is not None, u.bwd_end is not None)
+    if u.input_record is None or u.output_record is None:
         return None
-    if meter.records[in_rec].died is None or meter.records[out_rec].died is None:
+    if marked != (u.output_needs_grad, u.output_needs_grad):
         return None
-    own = ("unit", i)
-    bwd_peak = meter.peak_between(bs, be) - reading[bs].live_bytes if needs_bwd else 0
+    if meter.records[u.input_record].died is None or meter.records[u.output_record].died is None:
+        return None
+    own = ("unit", u.index)
+    bwd_peak = 0
+    if u.output_needs_grad:
+        assert u.bwd_start is not None and u.bwd_end is not None
+        bwd_peak = meter.peak_between(u.bwd_start.index, u.bwd_end.index) - u.bwd_start.live_bytes
+    assert u.fwd_start is not None and u.fwd_end is not None
     return OptionFigures(
         held_bytes=max(held, 0),
-        holds_input=any(rec == in_rec and phase == own for phase, rec in saved),
-        holds_output=any(rec == out_rec and phase == own for phase, rec in saved),
-        fwd_peak_bytes=meter.peak_between(fs, fe) - reading[fs].live_bytes,
+        holds_input=w.saved_by(u.input_record, own),
+        holds_output=w.saved_by(u.output_record, own),
+        fwd_peak_bytes=meter.peak_between(u.fwd_start.index, u.fwd_end.index)
+        - u.fwd_start.live_bytes,
         bwd_peak_bytes=max(bwd_peak, 0),
-        input_grad_bytes=in_grad_nbytes,
+        input_grad_bytes=u.input_grad_bytes,
     )

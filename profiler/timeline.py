@@ -107,8 +107,12 @@ class TimelineMeter(MemoryMeter):
             if r.alive_at(at) and r.died is not None and r.died <= by and i not in skip
         )
 
-    def peak_between(self, start: str, end: str) -> int:
-        """Highest live bytes after mark ``start`` up to mark ``end`` (marks in between count)."""
+    def peak_between(self, start: str | int, end: str | int) -> int:
+        """Highest live bytes after mark ``start`` up to mark ``end`` (marks in between count).
+
+        Marks are named by label or by their index in :attr:`marks`.
+        """
         labels = [m.label for m in self.marks]
-        i, j = labels.index(start), labels.index(end)
+        i = start if isinstance(start, int) else labels.index(start)
+        j = end if isinstance(end, int) else labels.index(end)
         return max([self.marks[i].live_bytes] + [m.peak_bytes for m in self.marks[i + 1 : j + 1]])
