@@ -40,17 +40,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from remat.errors import ProfileError
+from remat.profiler.loop import LossFn, StepRunner, output_tensors
 from remat.profiler.replay import OptionFigures
-from remat.profiler.step import LossFn, call_model, compute_loss
 from remat.profiler.timeline import TimelineMeter
 from remat.runtime.boundary import boundary_input, boundary_output, storage_nbytes
+from remat.solver.loop import Loop
 
 __all__ = ["BaselineStep", "OutsideFigures", "UnitInStep", "instrumented_step"]
 
@@ -105,10 +107,32 @@ class UnitInStep:
 
 
 @dataclass(frozen=True)
+class SharedInStep:
+    """A storage handed to units besides their boundary input (a mask, a position bias).
+
+    Attributes:
+        nbytes: its bytes.
+        born_after: ``-1`` when the prefix made it, else the unit in (or after) whose
+            forward it was made.
+        users: the units it was handed to, in forward order.
+        held_to_end: code outside the units (the prefix, code between units) saved it
+            for backward, or it outlived the step.
+    """
+
+    nbytes: int
+    born_after: int
+    users: tuple[int, ...]
+    held_to_end: bool
+
+
+@dataclass(frozen=True)
 class BaselineStep:
     """Byte figures of the outside code and the unit boundaries, from one instrumented step.
 
-    All bytes are above the fixed bytes.
+    All bytes are above the fixed bytes. Storages in ``shared`` are in no other
+    figure: not in the prefix's, the suffix's or a unit's held bytes, nor in the
+    suffix's forward peak. With a loop that keeps the model's output, the output's
+    storages made after the last unit are ``output_bytes`` and not in the suffix's.
     """
 
     units: tuple[UnitInStep, ...]
@@ -120,6 +144,9 @@ class BaselineStep:
     forward_transient_bytes: int
     loss_bytes: int
     phase_ms: Mapping[str, float] = field(default_factory=dict)
+    loss_storage_bytes: int = 0
+    output_bytes: int = 0
+    shared: tuple[SharedInStep, ...] = ()
 
     @property
     def n(self) -> int:
@@ -173,6 +200,7 @@ class _StepWatch:
         self.saved: list[tuple[Phase, int]] = []  # (saver, storage record)
         self.backward_marks: list[tuple[str, _UnitWatch, _Mark]] = []  # in the order made
         self.first_grad_tick: dict[int, int] = {}  # id(param) -> clock at its first gradient
+        self.side_users: dict[int, list[int]] = {}  # storage record -> units handed it
         self.handles: list[Any] = []
         self.start = self.forward_end = self.backward_end = self.mark()
 
@@ -190,6 +218,12 @@ class _StepWatch:
         x = located[1] if located is not None else None
         u.input_record = self.meter.record_of(x)
         u.input_bytes = storage_nbytes(x) if u.input_record is not None else 0
+        for t in tree_flatten((args, kwargs))[0]:
+            rec = self.meter.record_of(t) if isinstance(t, torch.Tensor) else None
+            if rec is not None and rec != u.input_record:
+                users = self.side_users.setdefault(rec, [])
+                if u.index not in users:
+                    users.append(u.index)
         if x is not None and x.requires_grad:
             self.handles.append(x.register_hook(self._backward_hook(u, "end")))
 
@@ -260,11 +294,15 @@ def instrumented_step(
     is_chain: bool,
     device_type: str,
     optimizer: torch.optim.Optimizer | None = None,
+    loop: Loop | None = None,
 ) -> BaselineStep:
-    """Run one instrumented training step; ``units`` in execution order.
+    """Run one instrumented micro-batch of ``loop`` and its optimizer step; ``units`` in
+    execution order.
 
     Gradients must be ``None`` on entry (they are allocated inside the region).
     """
+    loop = loop if loop is not None else Loop(keep_output=False)
+    runner = StepRunner(model, batch, loss_fn, optimizer, loop, device_type)
     meter = TimelineMeter(device_type=device_type)
     grad_records: dict[int, int] = {}  # gradient storage record -> tick it is counted from
     with meter:
@@ -274,19 +312,21 @@ def instrumented_step(
                 watch.handles.append(m.register_forward_pre_hook(watch.pre_hook, with_kwargs=True))
                 watch.handles.append(m.register_forward_hook(watch.post_hook, with_kwargs=True))
             with torch.autograd.graph.saved_tensors_hooks(watch.pack, watch.unpack):
-                output = call_model(model, batch)
-                loss = compute_loss(output, batch, loss_fn)
-                del output
+                output, loss = runner.forward()
+            # The loop keeps the output until the end of the step, or drops it now.
+            kept = output_tensors(output) if loop.keep_output else []
+            del output
             watch.forward_end = watch.mark()
+            loss_storage = meter.record_of(loss)
+            output_records = {meter.record_of(t) for t in kept} - {None, loss_storage}
             # The caller's loss (and the seed gradient backward() makes for it) stay
             # alive through the whole backward pass, whatever storage the loss has.
-            loss_bytes = (
-                loss.untyped_storage().nbytes() if meter.record_of(loss) is not None else 0
-            ) + loss.numel() * loss.element_size()
+            loss_storage_bytes = storage_nbytes(loss) if loss_storage is not None else 0
+            loss_bytes = loss_storage_bytes + loss.numel() * loss.element_size()
             watch.handles.extend(
                 _hook_gradient_producers(loss, model, meter, watch.first_grad_tick)
             )
-            loss.backward()
+            runner.backward(loss)
             del loss
             watch.backward_end = watch.mark()
             for p in model.parameters():
@@ -294,8 +334,8 @@ def instrumented_step(
                 if rec is not None:
                     tick = watch.first_grad_tick.get(id(p), meter.records[rec].born)
                     grad_records[rec] = min(tick, grad_records.get(rec, tick))
-            if optimizer is not None:
-                optimizer.step()
+            runner.optimizer_step()
+            del kept
         finally:
             for h in watch.handles:
                 h.remove()
@@ -306,7 +346,8 @@ def instrumented_step(
             f"units {missing} ran in the first forward pass but not in the second; the "
             "profiler needs the same units to run on every step with this batch"
         )
-    return _figures(watch, is_chain, grad_records, loss_bytes)
+    step = _figures(watch, is_chain, grad_records, loss_bytes, output_records)
+    return replace(step, loss_storage_bytes=loss_storage_bytes)
 
 
 def _hook_gradient_producers(
@@ -342,28 +383,54 @@ def _hook_gradient_producers(
 # ---------------------------------------------------------------------------------
 # Reading the figures off the timeline
 # ---------------------------------------------------------------------------------
+def _shared(w: _StepWatch) -> dict[int, SharedInStep]:
+    """The storages handed to units besides their boundary input, by storage record."""
+    meter, units = w.meter, w.units
+    outside_savers = {rec for phase, rec in w.saved if phase[0] in ("prefix", "between")}
+    shared = {}
+    for rec, users in w.side_users.items():
+        record = meter.records[rec]
+        started = [u.index for u in units if u.fwd_start is not None
+                   and u.fwd_start.tick < record.born]
+        outlives = record.died is None or record.died > w.backward_end.tick
+        shared[rec] = SharedInStep(record.nbytes, max(started, default=-1), tuple(sorted(users)),
+                                   rec in outside_savers or outlives)
+    return shared
+
+
 def _figures(
-    w: _StepWatch, is_chain: bool, grad_records: dict[int, int], loss_bytes: int
+    w: _StepWatch,
+    is_chain: bool,
+    grad_records: dict[int, int],
+    loss_bytes: int,
+    output_records: set[int | None] = frozenset(),
 ) -> BaselineStep:
     meter, units = w.meter, w.units
     first, last = units[0], units[-1]
     F = w.forward_end.tick
+    shared = _shared(w)
+    modelled = [*shared, *output_records]  # counted on their own, so in no figure below
 
     # -- forward: what each outside part allocated and still holds at the end -----
     prefix_held = meter.alive_bytes(F, born_until=first.fwd_start.tick,
-                                    exclude=[first.input_record])
+                                    exclude=[first.input_record, *modelled])
     for u, nxt in zip(units, units[1:]):  # code between units (none on a chain): the prefix's
         prefix_held += meter.alive_bytes(F, born_after=u.fwd_end.tick,
                                          born_until=nxt.fwd_start.tick,
-                                         exclude=[nxt.input_record])
-    suffix_held = meter.alive_bytes(F, born_after=last.fwd_end.tick, born_until=F)
+                                         exclude=[nxt.input_record, *modelled])
+    suffix_held = meter.alive_bytes(F, born_after=last.fwd_end.tick, born_until=F,
+                                    exclude=modelled)
+    output_bytes = sum(meter.records[r].nbytes for r in output_records if r is not None
+                       and meter.records[r].alive_at(F) and meter.records[r].born
+                       > last.fwd_end.tick)
     # Storages alive when the suffix starts that are not held (the prefix's locals
     # that live until the model's forward returns, say) still weigh on the suffix's
     # peak, while simulate() counts only held bytes there: add them to its peak.
     # On a chain simulate() still counts the last unit's output there; off a chain
     # it has already let it go unless someone holds it.
     transient = meter.dying_bytes(last.fwd_end.tick, F,
-                                  exclude=[last.output_record] if is_chain else [])
+                                  exclude=[last.output_record, *modelled] if is_chain
+                                  else modelled)
     suffix_fwd_peak = (meter.peak_between(last.fwd_end.index, w.forward_end.index)
                        - last.fwd_end.live_bytes + transient)
     forward_transient = max(
@@ -399,7 +466,7 @@ def _figures(
     for u in units:
         i = u.index
         held = meter.alive_bytes(F, born_after=u.fwd_start.tick, born_until=u.fwd_end.tick,
-                                 exclude=[u.output_record])
+                                 exclude=[u.output_record, *modelled])
         in_step = UnitInStep(
             input_bytes=u.input_bytes,
             output_bytes=u.output_bytes,
@@ -435,6 +502,8 @@ def _figures(
         forward_transient_bytes=forward_transient,
         loss_bytes=loss_bytes,
         phase_ms=phase_ms,
+        output_bytes=output_bytes,
+        shared=tuple(shared.values()),
     )
     log.debug("baseline step: held after forward %d B, peak %d B, per-unit held in step %s",
               step.held_after_forward_bytes, step.peak_bytes, [u.held_bytes for u in records])

@@ -40,7 +40,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ from remat.errors import ProfileError
 from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
 from remat.profiler.capture import UnitCall, UnitTrace, trace_units
 from remat.profiler.instrument import instrumented_step
+from remat.profiler.loop import StepRunner
 from remat.profiler.progress import Progress
 from remat.profiler.replay import (
     OptionFigures,
@@ -63,7 +65,6 @@ from remat.profiler.state import ModelState, clear_grads, training_session
 from remat.profiler.step import (
     LossFn,
     fixed_bytes,
-    forward_loss,
     model_device,
     optimizer_figures,
     tensor_storage_bytes,
@@ -73,6 +74,7 @@ from remat.profiler.timing import Stopwatch
 from remat.profiler.twins import signature
 from remat.profiler.units import UnitsSpec, discover_units
 from remat.runtime.apply import planned
+from remat.solver.loop import Loop
 from remat.solver.profile import Option, Profile
 
 __all__ = ["default_options", "profile"]
@@ -125,6 +127,7 @@ def profile(
     tolerance: float = 0.05,
     pool_twins: bool = True,
     progress: bool | None = None,
+    loop: Loop | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``sample_batch``, unit by unit.
 
@@ -150,6 +153,11 @@ def profile(
             (:mod:`remat.profiler.twins`). Their bytes are still measured one by one.
         progress: show a progress line on stderr (only when it is a terminal);
             ``False`` to never show it.
+        loop: the training loop the plan is for (:class:`~remat.solver.loop.Loop`:
+            gradient accumulation, whether the output is kept through the backward
+            pass, autocast, a gradient scaler, ``zero_grad(set_to_none=...)``);
+            default ``Loop()``, a plain loop that keeps the output. The profile
+            measures that loop and records it.
 
     Returns:
         The :class:`Profile`. Byte figures come from the dispatch-level
@@ -185,11 +193,13 @@ def profile(
     watch = Stopwatch(device)
     bar = Progress(len(found) + 3 + (optimizer is not None), progress)
     started = time.perf_counter()
+    loop = loop if loop is not None else Loop()
     try:
         with training_session(model, optimizer) as state:
             params = state.params
+            runner = StepRunner(model, sample_batch, loss_fn, optimizer, loop, device.type)
             bar.step("capture")
-            trace = trace_units(model, found, lambda: forward_loss(model, sample_batch, loss_fn))
+            trace = trace_units(model, found, lambda: runner.forward())
             ordered = [(name, trace.calls[name].module) for name in trace.order]
             state.rng.restore()
             state.restore_buffers()
@@ -197,9 +207,7 @@ def profile(
             opt_state, opt_peak = 0, 0
             if optimizer is not None:
                 bar.step("optimizer")
-                opt_state, opt_peak = optimizer_figures(
-                    model, sample_batch, loss_fn, optimizer, params, device.type
-                )
+                opt_state, opt_peak = optimizer_figures(runner, params, device.type)
                 state.rng.restore()
                 state.restore_buffers()
 
@@ -208,7 +216,7 @@ def profile(
             fixed = fixed_bytes(model, optimizer)
             base = instrumented_step(model, sample_batch, loss_fn, ordered,
                                      is_chain=trace.chain.is_chain, device_type=device.type,
-                                     optimizer=optimizer)
+                                     optimizer=optimizer, loop=loop)
             clear_grads(params)
             state.rng.restore()
             state.restore_buffers()
@@ -217,12 +225,12 @@ def profile(
             # whole step's memory; after the unit replays it would not).
             more_warmup = max(warmup - 1, 0)  # the metered run was the first
             bar.step("step time")
-            step = time_steps(model, sample_batch, loss_fn, optimizer, state, watch,
-                              warmup=more_warmup, repeats=repeats, tolerance=tolerance)
+            step = time_steps(runner, state, watch, warmup=more_warmup, repeats=repeats,
+                              tolerance=tolerance)
 
             policy = _TimingPolicy(more_warmup, repeats, tolerance, pool_twins)
             figures, timings = _measure_units(trace, ordered, opts, base.keep, device.type, watch,
-                                              params, state, bar, policy)
+                                              params, state, bar, policy, runner.autocast)
     finally:
         bar.close()
 
@@ -279,6 +287,7 @@ def _measure_units(
     state: ModelState,
     bar: Progress,
     timing: _TimingPolicy,
+    autocast: Callable[[], ContextManager[None]],
 ) -> tuple[dict[str, dict[str, OptionFigures]], dict[str, UnitTiming]]:
     """Every unit under every option: metered once, then timed.
 
@@ -306,7 +315,7 @@ def _measure_units(
         in_step = keep_in_step[i] if i < len(keep_in_step) else None
         figures[name] = {
             o: in_step if o == Option.KEEP.value and in_step is not None
-            else measure_option(call, o, device_type, params)
+            else measure_option(call, o, device_type, params, autocast=autocast)
             for o in opts
         }
         sig = signatures[name]
@@ -317,7 +326,7 @@ def _measure_units(
         if not pool.samples.settled(timing.repeats, timing.tolerance):
             time_unit(call, timed, watch, params, warmup=timing.warmup, repeats=timing.repeats,
                       tolerance=timing.tolerance, samples=pool.samples,
-                      max_rounds=1 if still_to_come[sig] else None)
+                      max_rounds=1 if still_to_come[sig] else None, autocast=autocast)
             if pool.pending is not None:
                 pool.pending.release()
                 pool.pending = None
@@ -331,7 +340,8 @@ def _measure_units(
         if pool.pending is not None:
             if not pool.samples.settled(timing.repeats, timing.tolerance):
                 time_unit(pool.pending, timed, watch, params, warmup=timing.warmup,
-                          repeats=timing.repeats, tolerance=timing.tolerance, samples=pool.samples)
+                          repeats=timing.repeats, tolerance=timing.tolerance, samples=pool.samples,
+                          autocast=autocast)
                 state.restore_buffers()
             pool.pending.release()
     if len(pools) < len(ordered):

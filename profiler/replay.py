@@ -25,10 +25,13 @@ Per option, in bytes above the live bytes at each point:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,6 +76,7 @@ class OptionFigures:
     fwd_peak_bytes: int
     bwd_peak_bytes: int
     input_grad_bytes: int
+    forward_cache_bytes: int = 0  # freed when the loop's autocast region ends
 
 
 @dataclass(frozen=True)
@@ -115,11 +119,19 @@ def _storage_ref(t: torch.Tensor | None) -> weakref.ref | None:
 
 
 def measure_option(
-    call: UnitCall, option: str, device_type: str, params: Sequence[nn.Parameter]
+    call: UnitCall,
+    option: str,
+    device_type: str,
+    params: Sequence[nn.Parameter],
+    *,
+    autocast: Callable[[], ContextManager[None]] = contextlib.nullcontext,
 ) -> OptionFigures:
     """Replay ``call`` once under ``option`` with the memory meter (see module docstring).
 
-    ``params`` (the whole model's) have their gradients cleared before and after.
+    ``params`` (the whole model's) have their gradients cleared before and after. The
+    forward runs inside ``autocast()`` (the loop's ``torch.autocast``, or nothing),
+    the backward outside it, as in a training loop; what only the autocast region
+    kept alive (its cache of weight casts) is ``forward_cache_bytes``.
     """
     module = call.module
     call.rng.restore()
@@ -128,7 +140,10 @@ def measure_option(
     args, kwargs = call.inputs(x_in)
     root_grad = _root_grad(call)  # outside the region: a step's loss gradient is not ours
     with TimelineMeter(device_type=device_type) as meter:
-        out = forward_with_option(module, option, module.forward, args, kwargs)
+        with autocast():
+            out = forward_with_option(module, option, module.forward, args, kwargs)
+            in_region = meter.live_bytes
+        cache_bytes = in_region - meter.live_bytes
         fwd = meter.mark("forward")
         y = boundary_output(out)
         del out  # other outputs die unless the unit saved them
@@ -154,6 +169,7 @@ def measure_option(
         fwd_peak_bytes=fwd.peak_bytes,
         bwd_peak_bytes=max(bwd.peak_bytes - start.live_bytes - grad_bytes, 0),
         input_grad_bytes=input_grad,
+        forward_cache_bytes=max(cache_bytes, 0),
     )
 
 
@@ -208,6 +224,7 @@ def time_unit(
     tolerance: float = 0.0,
     samples: TimingSamples | None = None,
     max_rounds: int | None = None,
+    autocast: Callable[[], ContextManager[None]] = contextlib.nullcontext,
 ) -> TimingSamples:
     """Time ``call`` under each option (no meter, no hooks); the samples, for their medians.
 
@@ -231,10 +248,11 @@ def time_unit(
             x_in, leaf = _fresh_input(call)
             args, kwargs = call.inputs(x_in)
             del x_in
-            out, f_ms = watch.time(
-                lambda o=option, a=args, k=kwargs: forward_with_option(module, o, module.forward,
-                                                                        a, k)
-            )
+            def forward(o: str = option, a: tuple = args, k: dict = kwargs) -> Any:
+                with autocast():
+                    return forward_with_option(module, o, module.forward, a, k)
+
+            out, f_ms = watch.time(forward)
             del args, kwargs
             y = boundary_output(out)
             del out

@@ -1,30 +1,32 @@
-"""One training step, and ``measure_step``: the real peak and time of a step as the model is.
+"""Measuring whole training steps: the step's time, the optimizer's figures, and
+``measure_step`` (``remat.measure``): the real peak and time of a step as the model is.
 
-The step is what a training loop does::
+The step is the user's loop (:class:`~remat.solver.loop.Loop`), run by
+:class:`~remat.profiler.loop.StepRunner`::
 
-    loss = loss_fn(model(batch), batch)   # or model(**batch).loss
-    loss.backward()
-    optimizer.step()                      # only when an optimizer is given
-
-Only the loss is kept through the backward pass (the output is dropped once the
-loss is computed, as ``loss = criterion(model(x), y)`` does), so what is alive
-after the forward pass is what autograd saved plus the loss.
+    out = model(**batch)            # under torch.autocast when the loop says so
+    loss = loss_fn(out, batch)      # or out.loss
+    loss.backward()                 # through a GradScaler when the loop has one
+    ...                             # (accumulation_steps micro-batches)
+    optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.errors import LossNotFoundError, ProfileError
+from remat.allocator import allocator_peak
+from remat.errors import ProfileError
 from remat.meter import MemoryMeter
+from remat.profiler.loop import Carry, LossFn, StepRunner, call_model, compute_loss
 from remat.profiler.state import ModelState, clear_grads, training_session
 from remat.profiler.timing import Stopwatch, median, parts_settled
+from remat.solver.loop import Loop
 
 __all__ = [
     "LossFn",
@@ -34,6 +36,7 @@ __all__ = [
     "compute_loss",
     "fixed_bytes",
     "forward_loss",
+    "grad_bytes",
     "measure_step",
     "model_device",
     "optimizer_figures",
@@ -43,51 +46,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("remat")
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-_LOSS_HELP = (
-    "pass loss_fn=fn, where fn(output, batch) -> scalar Tensor computes the loss from the "
-    "model's output and the sample batch"
-)
-
-
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple/list, else ``model(batch)``."""
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
-    """The scalar loss: ``loss_fn(output, batch)``, else the output's ``.loss`` / ``["loss"]``.
-
-    Raises:
-        LossNotFoundError: no ``loss_fn`` and the output carries no loss.
-        ProfileError: the loss is not a scalar tensor that requires grad.
-    """
-    if loss_fn is not None:
-        loss = loss_fn(output, batch)
-    else:
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, Mapping):
-            loss = output.get("loss")
-        if loss is None:
-            raise LossNotFoundError(
-                f"cannot find the loss: the model returned {type(output).__name__}, which has "
-                f"no non-None .loss attribute or 'loss' key; {_LOSS_HELP}"
-            )
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ProfileError(f"the loss must be a scalar tensor, got {shape}; {_LOSS_HELP}")
-    if not loss.requires_grad:
-        raise ProfileError(
-            "the loss does not require grad: no trainable parameter contributes to it "
-            "(are all parameters frozen, or is grad disabled?)"
-        )
-    return loss
 
 
 def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
@@ -121,6 +79,11 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     )
 
 
+def grad_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients alive now (``.grad`` that is not ``None``)."""
+    return tensor_storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+
 def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Parameters + buffers + optimizer state: the bytes alive for the whole step."""
     return (
@@ -132,18 +95,24 @@ def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> in
 
 @dataclass(frozen=True)
 class StepMeasurement:
-    """A measured training step.
+    """A measured training step (one optimizer step of the loop).
 
     Attributes:
-        peak_bytes: peak live bytes of the step, ``fixed_bytes`` included (dispatch-level
-            meter: storages allocated during the step, plus the fixed bytes).
-        held_after_forward_bytes: bytes alive when the forward pass (loss included) ends,
-            above the fixed bytes.
-        fixed_bytes: parameters + buffers + optimizer state, in bytes.
-        cuda_peak_bytes: ``torch.cuda.max_memory_allocated()`` during the step minus
-            ``memory_allocated()`` at its start (the allocator's view, which also sees
-            kernel scratch buffers); ``None`` off CUDA.
-        time_ms: median wall time of a step over ``repeats`` runs without the meter.
+        peak_bytes: peak bytes of the step, ``fixed_bytes`` included, by the
+            dispatch-level meter (live tensor storages).
+        held_after_forward_bytes: bytes alive after the last micro-batch's forward
+            (loss included), above the bytes alive when the step started.
+        fixed_bytes: parameters + buffers + optimizer state, plus the gradients
+            alive when the step starts (accumulation, ``set_to_none=False``).
+        allocator_peak_bytes: the same peak as the allocator saw it (it also sees
+            kernel scratch buffers and tensors made outside the dispatcher, such as
+            checkpoint's RNG state): on CUDA ``torch.cuda.max_memory_allocated``, on
+            CPU the allocation events of ``torch.profiler``. ``None`` when not measured.
+        reserved_peak_bytes: on CUDA, ``torch.cuda.max_memory_reserved`` during the
+            step: what the caching allocator took from the device. ``None`` off CUDA.
+        cuda_peak_bytes: ``max_memory_allocated`` during the metered step minus
+            ``memory_allocated`` at its start; ``None`` off CUDA.
+        time_ms: median wall time of one optimizer step over ``repeats`` runs.
     """
 
     peak_bytes: int
@@ -151,27 +120,35 @@ class StepMeasurement:
     fixed_bytes: int
     cuda_peak_bytes: int | None
     time_ms: float
+    allocator_peak_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
 
     @property
     def activation_peak_bytes(self) -> int:
         """The peak above the fixed bytes."""
         return self.peak_bytes - self.fixed_bytes
 
+    @property
+    def worst_peak_bytes(self) -> int:
+        """The larger of the two instruments' peaks: what a budget must hold."""
+        return max(self.peak_bytes, self.allocator_peak_bytes or 0)
+
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Median times of plain training steps, in milliseconds (no meter, no hooks)."""
+    """Median times of plain training steps, in milliseconds (no meter, no hooks).
 
-    step_ms: float  # forward + backward (+ optimizer step)
-    forward_ms: float  # forward and loss
+    ``forward_ms`` and ``backward_ms`` are one micro-batch's; ``step_ms`` is one
+    optimizer step of the loop: every micro-batch and the optimizer step.
+    """
+
+    step_ms: float
+    forward_ms: float
     backward_ms: float
 
 
 def time_steps(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn | None,
-    optimizer: torch.optim.Optimizer | None,
+    runner: StepRunner,
     state: ModelState,
     watch: Stopwatch,
     *,
@@ -179,79 +156,70 @@ def time_steps(
     repeats: int,
     tolerance: float = 0.0,
 ) -> StepTimes:
-    """Time ``warmup + repeats`` plain steps (grads cleared first); medians of the last ``repeats``.
+    """Time ``warmup + repeats`` micro-batches and optimizer steps; medians of the last ``repeats``.
 
-    The timed steps stop early once the samples pin each median to within
-    ``tolerance`` times the step time (:func:`~remat.profiler.timing.parts_settled`).
+    Each round runs one micro-batch (forward, backward) and the optimizer step with
+    gradients cleared first; one optimizer step of the loop is then
+    ``accumulation_steps`` micro-batches and one optimizer step. The timed rounds
+    stop early once the samples pin each median to within ``tolerance`` times the
+    step time (:func:`~remat.profiler.timing.parts_settled`).
 
-    RNG state and buffers are reset before each, so every step sees the same dropout
+    RNG state and buffers are reset before each, so every round sees the same dropout
     masks and BatchNorm statistics.
     """
-    total, fwd, bwd = [], [], []
+    total, fwd, bwd, opt = [], [], [], []
     for r in range(warmup + repeats):
         state.rng.restore()
         state.restore_buffers()
         clear_grads(state.params)
-        loss, f_ms = watch.time(lambda: forward_loss(model, batch, loss_fn))
-        _, b_ms = watch.time(loss.backward)
+        (_, loss), f_ms = watch.time(runner.forward)
+        _, b_ms = watch.time(lambda loss=loss: runner.backward(loss))
         del loss
-        o_ms = 0.0
-        if optimizer is not None:
-            _, o_ms = watch.time(optimizer.step)
+        _, o_ms = watch.time(runner.optimizer_step) if runner.optimizer is not None else (None, 0.)
         if r >= warmup:
             total.append(f_ms + b_ms + o_ms)
             fwd.append(f_ms)
             bwd.append(b_ms)
+            opt.append(o_ms)
             if parts_settled(total, fwd, bwd, repeats=repeats, tolerance=tolerance):
                 break
     clear_grads(state.params)
-    return StepTimes(median(total), median(fwd), median(bwd))
+    steps = runner.loop.accumulation_steps
+    f_ms, b_ms = median(fwd), median(bwd)
+    return StepTimes(steps * (f_ms + b_ms) + median(opt), f_ms, b_ms)
 
 
-def optimizer_figures(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn | None,
-    optimizer: torch.optim.Optimizer,
-    params: list[nn.Parameter],
-    device_type: str,
-) -> tuple[int, int]:
-    """``(state bytes, step peak bytes)`` of ``optimizer`` in steady state.
+def optimizer_figures(runner: StepRunner, params: list[nn.Parameter], device_type: str
+                      ) -> tuple[int, int]:
+    """``(state bytes, step peak bytes)`` of the runner's optimizer.
 
-    Two training steps: the first creates the state, the second's ``optimizer.step()``
-    is metered (its peak above the bytes alive when it starts, gradients included).
+    Two optimizer steps of the loop. The first creates the optimizer's state (unless it
+    has some already) and the second is steady; each ``optimizer.step()`` is metered,
+    its peak taken above the bytes alive when it starts. The first step's start has no
+    state yet, so its peak counts against a steady start as ``first - state``: the
+    figure is the larger of that and the steady step's.
     """
-    peak = 0
-    for k in range(2):
+    peaks = []
+    for _ in range(2):
         clear_grads(params)
-        forward_loss(model, batch, loss_fn).backward()
-        if k == 0:
-            optimizer.step()
-        else:
-            with MemoryMeter(device_type=device_type) as meter:
-                optimizer.step()
-            peak = meter.peak_bytes
+        carry = Carry()
+        for _ in range(runner.loop.accumulation_steps):
+            runner.micro_batch(carry)
+        del carry
+        with MemoryMeter(device_type=device_type) as meter:
+            runner.optimizer_step()
+        peaks.append(meter.peak_bytes)
     clear_grads(params)
-    return optimizer_state_bytes(optimizer), peak
+    state = optimizer_state_bytes(runner.optimizer)
+    return state, max(peaks[1], peaks[0] - state)
 
 
-def _train_step(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn | None,
-    optimizer: torch.optim.Optimizer | None,
-    params: list[nn.Parameter],
-    meter: MemoryMeter | None = None,
-) -> int:
-    """One step with grads cleared first; returns live meter bytes after forward (0 without)."""
-    clear_grads(params)
-    loss = forward_loss(model, batch, loss_fn)
-    held = meter.mark("forward").live_bytes if meter is not None else 0
-    loss.backward()
-    del loss
-    if optimizer is not None:
-        optimizer.step()
-    return held
+def _cycles(runner: StepRunner, carry: Carry, cycles: int, state: ModelState) -> None:
+    """``cycles`` optimizer steps of the loop, each from the same RNG state and buffers."""
+    for _ in range(cycles):
+        runner.optimizer_step_cycle(carry)
+        state.rng.restore()
+        state.restore_buffers()
 
 
 def measure_step(
@@ -260,58 +228,89 @@ def measure_step(
     *,
     loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    loop: Loop | None = None,
     warmup: int = 1,
     repeats: int = 3,
+    allocator: bool = True,
 ) -> StepMeasurement:
     """Measure one real training step of ``model`` as it is (with or without a plan applied).
 
-    The model runs in train mode with gradients cleared (``set_to_none``). With an
-    optimizer, the warm-up steps create its state first, so the measured step is a
-    steady-state one. The peak comes from one step under the dispatch-level meter;
-    the time is the median of ``repeats`` un-metered steps after ``warmup`` more.
+    The step is one optimizer step of ``loop`` (default :class:`~remat.solver.loop.Loop`:
+    a plain loop that keeps the output): its micro-batches, the optimizer step and the
+    loop's ``zero_grad``. The warm-up steps come first (they create the optimizer's
+    state, and what the loop's variables carry into the next step); then two steps run
+    under the dispatch-level meter, so the second sees what the first carried into it,
+    and, with ``allocator``, two more under the allocator instrument
+    (:mod:`remat.allocator`). The time is the median of ``repeats`` un-metered steps.
     Parameters, buffers, gradients, RNG state, train/eval modes and the optimizer
     state are restored afterwards, also when the step raises.
 
     Args:
         model: the module to train.
-        sample_batch: a Tensor (``model(x)``), a tuple/list (``model(*batch)``) or a
-            dict (``model(**batch)``).
+        sample_batch: one micro-batch: a Tensor (``model(x)``), a tuple/list
+            (``model(*batch)``) or a dict (``model(**batch)``).
         loss_fn: ``loss_fn(output, batch) -> scalar``; by default the output's ``.loss``.
         optimizer: include ``optimizer.step()`` in the step.
+        loop: the training loop; default ``Loop()``.
         warmup, repeats: un-timed and timed steps for ``time_ms``.
+        allocator: also measure the allocator's view (on CPU it replays the step under
+            ``torch.profiler``, which is slower).
 
     Raises:
         LossNotFoundError: no ``loss_fn`` and the output has no ``.loss``.
     """
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"need repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
+    loop = loop if loop is not None else Loop()
     device = model_device(model)
     watch = Stopwatch(device)
     with training_session(model, optimizer) as state:
-        params = state.params
-        # Warm-up first: it creates the optimizer state, which is part of the
-        # fixed bytes of every later step, not of the measured one.
-        for _ in range(max(warmup, 1 if optimizer is not None else 0)):
-            _train_step(model, sample_batch, loss_fn, optimizer, params)
-            state.rng.restore()
-            state.restore_buffers()
-        clear_grads(params)
+        runner = StepRunner(model, sample_batch, loss_fn, optimizer, loop, device.type)
+        carry = Carry()
+        _cycles(runner, carry, max(warmup, 1), state)
         watch.sync()
-        fixed = fixed_bytes(model, optimizer)
+        # Alive across the whole step: the fixed bytes and the gradients zero_grad keeps.
+        fixed = fixed_bytes(model, optimizer) + grad_bytes(model)
         with MemoryMeter(device_type=device.type) as meter:
-            held = _train_step(model, sample_batch, loss_fn, optimizer, params, meter)
-            clear_grads(params)  # before the meter exits: the grads die inside it
-        peak = meter.peak_bytes
+            _cycles(runner, carry, 2, state)
+            peak = meter.peak_bytes
         cuda_peak = meter.cuda_peak_bytes
-        times = time_steps(model, sample_batch, loss_fn, optimizer, state, watch, warmup=0,
-                           repeats=repeats)
+        alloc_peak = reserved = None
+        if allocator:
+            # What is alive when the instrument starts (the fixed bytes and what the
+            # loop carries from the last step) plus the allocator's highest running sum.
+            start = fixed + _carried_bytes(carry)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                base_reserved = torch.cuda.memory_reserved()
+            alloc_peak = start + allocator_peak(
+                lambda c=carry: _cycles(runner, c, 2, state), device_type=device.type)
+            if device.type == "cuda":
+                reserved = torch.cuda.max_memory_reserved() - base_reserved + start
+        with MemoryMeter(device_type=device.type) as meter:
+            output, loss = runner.forward()
+            held = meter.live_bytes
+            del output, loss
+        del carry
+        clear_grads(state.params)
+        times = time_steps(runner, state, watch, warmup=0, repeats=repeats)
     result = StepMeasurement(
         peak_bytes=fixed + peak,
         held_after_forward_bytes=held,
         fixed_bytes=fixed,
         cuda_peak_bytes=cuda_peak,
         time_ms=times.step_ms,
+        allocator_peak_bytes=alloc_peak,
+        reserved_peak_bytes=reserved,
     )
-    log.info("measured step: peak %d B (fixed %d B), %.2f ms", result.peak_bytes, fixed,
+    log.info("measured step (%s): peak %d B (allocator %s B, fixed %d B), %.2f ms",
+             loop.describe(), result.peak_bytes, result.allocator_peak_bytes, fixed,
              result.time_ms)
     return result
+
+
+def _carried_bytes(carry: Carry) -> int:
+    """Bytes of the distinct storages the loop's variables hold between steps."""
+    from remat.profiler.loop import output_tensors
+
+    return tensor_storage_bytes([*output_tensors(carry.output), carry.loss])

@@ -1,0 +1,199 @@
+"""The training step remat measures is the step the user runs: one runner for a :class:`Loop`.
+
+:class:`StepRunner` runs the loop a :class:`~remat.solver.loop.Loop` describes on
+one model and batch, in pieces the profiler instruments (the forward under
+autocast, the backward through a gradient scaler, the optimizer step) and whole
+(:meth:`StepRunner.optimizer_step_cycle`: every micro-batch of one optimizer step,
+with what the loop's variables keep alive from one iteration to the next). The
+profiler, ``remat.measure`` and the compiled search all call it, so what is
+profiled, predicted and measured is one loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import LossNotFoundError, ProfileError
+from remat.solver.loop import Loop
+
+__all__ = ["Carry", "LossFn", "StepRunner", "call_model", "compute_loss", "output_tensors"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+_LOSS_HELP = (
+    "pass loss_fn=fn, where fn(output, batch) -> scalar Tensor computes the loss from the "
+    "model's output and the sample batch"
+)
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple/list, else ``model(batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """The scalar loss: ``loss_fn(output, batch)``, else the output's ``.loss`` / ``["loss"]``.
+
+    Raises:
+        LossNotFoundError: no ``loss_fn`` and the output carries no loss.
+        ProfileError: the loss is not a scalar tensor that requires grad.
+    """
+    if loss_fn is not None:
+        loss = loss_fn(output, batch)
+    else:
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, Mapping):
+            loss = output.get("loss")
+        if loss is None:
+            raise LossNotFoundError(
+                f"cannot find the loss: the model returned {type(output).__name__}, which has "
+                f"no non-None .loss attribute or 'loss' key; {_LOSS_HELP}"
+            )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ProfileError(f"the loss must be a scalar tensor, got {shape}; {_LOSS_HELP}")
+    if not loss.requires_grad:
+        raise ProfileError(
+            "the loss does not require grad: no trainable parameter contributes to it "
+            "(are all parameters frozen, or is grad disabled?)"
+        )
+    return loss
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor in a model's output: a tensor, tuples, lists, dicts, dataclasses
+    (Hugging Face ``ModelOutput`` is both a dict and a dataclass), depth first."""
+    found: list[torch.Tensor] = []
+    stack = [output]
+    seen: set[int] = set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, Mapping):
+            stack.extend(reversed(list(value.values())))
+        elif isinstance(value, (tuple, list)):
+            stack.extend(reversed(value))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            stack.extend(reversed([getattr(value, f.name) for f in dataclasses.fields(value)]))
+    return found
+
+
+@dataclass
+class Carry:
+    """What the loop's own variables hold between iterations: the last output (when
+    the loop keeps it) and the last loss. Alive during the next forward pass."""
+
+    output: Any = None
+    loss: torch.Tensor | None = None
+
+
+class StepRunner:
+    """Runs ``loop`` on ``model`` and ``batch``: one micro-batch at a time, or whole steps.
+
+    Args:
+        model, batch, loss_fn: the model, one micro-batch, and how to get its loss
+            (``None``: the output's ``.loss``).
+        optimizer: stepped after the last micro-batch (``None``: no optimizer step).
+        loop: the training loop (:class:`~remat.solver.loop.Loop`).
+        device_type: the model's device type, for autocast and the gradient scaler.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn | None,
+        optimizer: torch.optim.Optimizer | None,
+        loop: Loop,
+        device_type: str,
+    ) -> None:
+        self.model = model
+        self.batch = batch
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.loop = loop
+        self.device_type = device_type
+        # Scale 1: the measured memory does not depend on the scale, and a large one
+        # would overflow the first steps in float16 and skip the optimizer step
+        # (whose state and peak are part of what is measured).
+        self.scaler = (torch.amp.GradScaler(device_type, init_scale=1.0)
+                       if loop.grad_scaler and optimizer is not None else None)
+        self.params = [p for p in model.parameters()]
+
+    # -- the pieces ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """``torch.autocast`` with the loop's dtype, or nothing."""
+        if self.loop.autocast is None:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=getattr(torch, self.loop.autocast)):
+            yield
+
+    def forward(self) -> tuple[Any, torch.Tensor]:
+        """``(output, loss)`` of one micro-batch, under the loop's autocast."""
+        with self.autocast():
+            output = call_model(self.model, self.batch)
+            loss = compute_loss(output, self.batch, self.loss_fn)
+        return output, loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the gradient scaler when the loop has one."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def optimizer_step(self) -> None:
+        """``optimizer.step()`` (through the scaler), then the loop's ``zero_grad``."""
+        if self.optimizer is not None:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """As ``optimizer.zero_grad(set_to_none=loop.set_to_none)`` does, for every parameter."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if self.loop.set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    # -- whole steps ----------------------------------------------------------------
+    def micro_batch(self, carry: Carry) -> None:
+        """Forward and backward of one micro-batch.
+
+        ``carry`` (the previous iteration's output and loss) stays referenced until
+        the new output and loss exist, as a loop's variables do until they are
+        reassigned; then it names them instead.
+        """
+        output, loss = self.forward()
+        carry.output = output if self.loop.keep_output else None
+        carry.loss = loss
+        del output
+        self.backward(loss)
+
+    def optimizer_step_cycle(self, carry: Carry) -> None:
+        """Every micro-batch of one optimizer step, then the step and ``zero_grad``."""
+        for _ in range(self.loop.accumulation_steps):
+            self.micro_batch(carry)
+        self.optimizer_step()
