@@ -57,6 +57,19 @@ __all__ = ["SegmentRunner"]
 logger = logging.getLogger(__name__)
 
 
+RngStates = tuple[torch.Tensor, list[int], list[torch.Tensor]]  # CPU, device ids, device states
+
+
+def _rng_states(x: torch.Tensor) -> RngStates:
+    devices, states = _ckpt.get_device_states(x)
+    return torch.get_rng_state(), devices, states
+
+
+def _same_rng(a: RngStates, b: RngStates) -> bool:
+    return (torch.equal(a[0], b[0]) and a[1] == b[1]
+            and all(torch.equal(x, y) for x, y in zip(a[2], b[2])))
+
+
 @dataclasses.dataclass
 class _UnitCall:
     """One recorded unit call of a segment, minus its chained tensor.
@@ -71,9 +84,11 @@ class _UnitCall:
     kwargs: dict[str, Any]
     slot: Slot
     # RNG states at the call's start, restored before replaying it so that dropout
-    # draws the same masks even if the model's code drew random numbers between
-    # units (LayerDrop). None for the segment's first call: the generator restores it.
-    rng: tuple[torch.Tensor, list[int], list[torch.Tensor]] | None = None
+    # draws the same masks when the model's code drew random numbers between units
+    # (LayerDrop). None when replaying the previous unit leaves the RNG where this
+    # call found it (the usual case: each state is ~5 KB held until backward), and
+    # for the segment's first call (the generator restores that one).
+    rng: RngStates | None = None
 
     def call(self, x: torch.Tensor) -> Any:
         if isinstance(self.slot, int):
@@ -121,6 +136,7 @@ class _OpenSegment:
         self.last_index: int | None = None
         self.replay = _Replay()
         self._last_output: torch.Tensor | None = None
+        self._rng_after_previous: RngStates | None = None
         self._between: torch.autograd.graph.saved_tensors_hooks | None = None
         # BatchNorm statistics are restored after recomputation, for every module of
         # the segment, so they update once per step.
@@ -167,8 +183,10 @@ class _OpenSegment:
         rng = None
         if self.last_index is not None:
             x = args[slot] if isinstance(slot, int) else kwargs[slot]
-            devices, states = _ckpt.get_device_states(x)
-            rng = (torch.get_rng_state(), devices, states)
+            rng = _rng_states(x)
+            after_previous, self._rng_after_previous = self._rng_after_previous, None
+            if after_previous is not None and _same_rng(rng, after_previous):
+                rng = None
         recorded_args = args
         recorded_kwargs = kwargs
         if isinstance(slot, int):
@@ -202,6 +220,7 @@ class _OpenSegment:
             self.abort(error)
             raise error
         self._last_output = out
+        self._rng_after_previous = _rng_states(out)
         self._push_between(index)
         return False
 
