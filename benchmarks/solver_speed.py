@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remat.errors import RematError
-from remat.solver.dp import min_peak_bytes, solve_dp
+from remat.solver.dp import solve_dp
 from remat.solver.ilp import solve_ilp
+from remat.solver.min_peak import min_peak_bytes
 from remat.solver.plan import Plan
 from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
 from remat.solver.simulate import simulate

@@ -5,6 +5,8 @@ This module imports nothing heavy, so the torch-free solver can raise them too.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from remat.bytesize import format_bytes
 
 __all__ = [
@@ -28,17 +30,49 @@ class BudgetError(RematError, ValueError):
 
 
 class InfeasibleBudgetError(RematError):
-    """No plan fits the budget. ``min_feasible_bytes`` is the smallest peak any plan reaches."""
+    """No plan fits the budget.
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "") -> None:
+    Attributes:
+        budget_bytes: the budget asked for.
+        min_feasible_bytes: the smallest peak any plan reaches.
+        peak_event: the event at which a plan reaching that peak peaks
+            (``"backward transformer.h.0"``), or ``None`` when unknown.
+        peak_parts: what that peak is made of (``parameters``, ``buffers``,
+            ``optimizer state``, ``gradients``, ``activations``), in bytes; empty
+            when unknown.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        min_feasible_bytes: int,
+        detail: str = "",
+        *,
+        peak_event: str | None = None,
+        peak_parts: Mapping[str, int] | None = None,
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
+        self.peak_event = peak_event
+        self.peak_parts = dict(peak_parts or {})
         msg = (
             f"memory_budget={format_bytes(budget_bytes)} is infeasible: the smallest peak any "
-            f"plan reaches is {format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes); "
-            "pass a budget of at least that"
+            f"plan reaches is {format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes)"
+            f"{_where_it_peaks(peak_event, self.peak_parts)}; pass a budget of at least that"
         )
         super().__init__(msg + (f". {detail}" if detail else ""))
+
+
+def _where_it_peaks(event: str | None, parts: Mapping[str, int]) -> str:
+    """``", at 'backward h.0': optimizer state 1.00 GiB, ..."``, largest part first."""
+    text = f", at {event!r}" if event else ""
+    shown = sorted(((b, name) for name, b in parts.items() if b > 0), reverse=True)
+    if shown:
+        text += ": " + ", ".join(f"{name} {format_bytes(b)}" for b, name in shown)
+        if shown[0][1] != "activations":
+            # Only activations shrink with checkpointing; say so when they are not the bulk.
+            text += f" (the largest part is {shown[0][1]}; checkpointing only reduces activations)"
+    return text
 
 
 class ProfileError(RematError, ValueError):

@@ -1,4 +1,12 @@
-"""Pure optimisation over a measured profile: no torch import in this package."""
+"""Pure optimisation over a measured profile: no torch import in this package.
+
+Importing it is cheap: the CP-SAT solver (ortools) and the frontier (pandas) load
+on first use of their names (PEP 562), and ``method="ilp"`` loads ortools when it
+is first solved with.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from remat.solver.baselines import (
     checkpoint_all_plan,
@@ -8,36 +16,68 @@ from remat.solver.baselines import (
     uniform_plan,
 )
 from remat.solver.budget import parse_budget
-from remat.solver.dp import min_peak_bytes, solve_dp
-from remat.solver.ilp import solve_ilp
-from remat.solver.pareto import min_feasible_peak, pareto_frontier
+from remat.solver.dp import solve_dp
+from remat.solver.events import StepModel, step_model
+from remat.solver.min_peak import min_peak_bytes, min_peak_plan
+from remat.solver.params import ParameterError, UnknownParameterError
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
-from remat.solver.simulate import Simulation, simulate
+from remat.solver.simulate import PEAK_PARTS, Simulation, simulate
 from remat.solver.solve import ALGORITHMS, UnknownMethodError, solve_profile
+
+if TYPE_CHECKING:
+    from remat.solver.ilp import solve_ilp
+    from remat.solver.pareto import frontier_plans, min_feasible_peak, pareto_frontier
+
+# Names whose modules import heavy packages (ortools; pandas where a frame is built).
+_LAZY = {
+    "solve_ilp": "remat.solver.ilp",
+    "frontier_plans": "remat.solver.pareto",
+    "min_feasible_peak": "remat.solver.pareto",
+    "pareto_frontier": "remat.solver.pareto",
+}
 
 __all__ = [
     "ALGORITHMS",
+    "PEAK_PARTS",
     "Option",
     "OptionCost",
     "OutsideCost",
+    "ParameterError",
     "Plan",
     "Profile",
     "Simulation",
     "Status",
+    "StepModel",
     "UnitProfile",
     "UnknownMethodError",
+    "UnknownParameterError",
     "checkpoint_all_plan",
     "chen_greedy_plan",
     "chen_plan",
+    "frontier_plans",
     "keep_all_plan",
     "min_feasible_peak",
     "min_peak_bytes",
+    "min_peak_plan",
     "parse_budget",
     "pareto_frontier",
     "simulate",
     "solve_dp",
     "solve_ilp",
     "solve_profile",
+    "step_model",
     "uniform_plan",
 ]
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: load heavy names on first use
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'remat.solver' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -21,15 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.errors import InfeasibleBudgetError
-from remat.solver.dp import (
-    StepModel,
-    build_model,
-    min_peak_bytes,
-    plan_peak_bytes,
-    stamp_plan,
-)
+from remat.solver.events import StepModel, plan_peak_bytes, step_model
+from remat.solver.infeasible import infeasible_budget_error
+from remat.solver.min_peak import min_peak_bytes
+from remat.solver.params import check_budget_bytes, check_count
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Option, Profile
+from remat.solver.stamp import stamp_plan
 
 __all__ = [
     "chen_greedy_plan",
@@ -44,9 +42,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_KEEP = Option.KEEP.value
-_CKPT = Option.CHECKPOINT.value
 
 
 @dataclass(frozen=True)
@@ -75,7 +70,7 @@ def _runs_with_checkpoint(profile: Profile, group: range) -> list[range]:
     """Maximal runs of ``group`` whose units all offer ``checkpoint``."""
     runs, start = [], None
     for i in group:
-        has = _CKPT in profile.units[i].options
+        has = Option.CHECKPOINT in profile.units[i].options
         if has and start is None:
             start = i
         if not has and start is not None:
@@ -90,12 +85,12 @@ def groups_to_options(
     profile: Profile, groups: Iterable[range]
 ) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...]]:
     """Options and segments that checkpoint ``groups`` and keep every other unit."""
-    options = [_KEEP] * profile.n
+    options = [Option.KEEP.value] * profile.n
     segments = []
     for group in groups:
         for run in _runs_with_checkpoint(profile, group):
             for i in run:
-                options[i] = _CKPT
+                options[i] = Option.CHECKPOINT.value
             if profile.is_chain and len(run) >= 2:
                 segments.append((run.start, run.stop - 1))
     return tuple(options), tuple(sorted(segments))
@@ -127,41 +122,28 @@ def _fastest_fitting(candidates: Sequence[_Candidate], budget: int | None) -> _C
 
 
 def _too_tight(
-    profile: Profile, budget: int, algorithm: str, best_peak: int
+    profile: Profile, budget: int, algorithm: str, best: _Candidate
 ) -> InfeasibleBudgetError:
-    """The error for a heuristic that cannot meet ``budget``.
+    """The error for a heuristic that cannot meet ``budget``; ``best`` is its lowest peak.
 
-    Below the true smallest peak nothing fits, and the error carries that peak;
-    otherwise the optimum would fit and the error carries this heuristic's
-    smallest peak and says to use ``method="optimal"``.
+    Below the true smallest peak nothing fits, and the error carries that peak and
+    where it sits; otherwise the optimum would fit, and the error carries this
+    heuristic's smallest peak and where it sits, and says to use ``method="optimal"``.
     """
     floor = min_peak_bytes(profile)
     if budget < floor:
-        return InfeasibleBudgetError(budget, floor, "No plan of any method fits it.")
-    return InfeasibleBudgetError(
+        return infeasible_budget_error(profile, budget, detail="No plan of any method fits it.")
+    return infeasible_budget_error(
+        profile,
         budget,
-        best_peak,
-        f"Here 'any plan' means any plan method {algorithm!r} makes; method='optimal' "
+        best=_as_plan(profile, best),
+        detail=f"Here 'any plan' means any plan method {algorithm!r} makes; method='optimal' "
         f"fits this budget (its plans go down to {floor} bytes): try method='optimal'.",
     )
 
 
-def _stamp(
-    profile: Profile,
-    chosen: _Candidate,
-    budget: int | None,
-    algorithm: str,
-    start: float,
-) -> Plan:
-    """The Plan of a chosen candidate, scored by ``simulate()``."""
-    plan = Plan(tuple(u.name for u in profile.units), chosen.options, chosen.segments)
-    plan = stamp_plan(profile, plan, algorithm=algorithm, status=Status.FEASIBLE, budget=budget,
-                      start=start)
-    if budget is not None and plan.predicted_peak_bytes > budget:
-        raise _too_tight(profile, budget, algorithm, plan.predicted_peak_bytes)
-    log.debug("%s: chose %s (peak %d B, %.3f ms)", algorithm, chosen.label,
-              plan.predicted_peak_bytes, plan.predicted_time_ms)
-    return plan
+def _as_plan(profile: Profile, candidate: _Candidate) -> Plan:
+    return Plan(tuple(u.name for u in profile.units), candidate.options, candidate.segments)
 
 
 def _pick(
@@ -171,12 +153,17 @@ def _pick(
     algorithm: str,
     start: float,
 ) -> Plan:
+    """The chosen candidate, stamped; or the error for a budget none of them fits."""
     chosen = _fastest_fitting(candidates, budget)
     if chosen is None:
         assert budget is not None
-        best = min(c.peak_bytes for c in candidates)
-        raise _too_tight(profile, budget, algorithm, best)
-    return _stamp(profile, chosen, budget, algorithm, start)
+        lowest = min(candidates, key=lambda c: (c.peak_bytes, c.time_ms))
+        raise _too_tight(profile, budget, algorithm, lowest)
+    plan = stamp_plan(profile, _as_plan(profile, chosen), algorithm=algorithm,
+                      status=Status.FEASIBLE, budget=budget, start=start)
+    log.debug("%s: chose %s (peak %d B, %.3f ms)", algorithm, chosen.label,
+              plan.predicted_peak_bytes, plan.predicted_time_ms)
+    return plan
 
 
 # ---------------------------------------------------------------------------------
@@ -185,7 +172,8 @@ def _pick(
 def keep_all_plan(profile: Profile, budget_bytes: int | None = None) -> Plan:
     """``none``: no checkpointing at all."""
     start = time.perf_counter()
-    model = build_model(profile)
+    budget_bytes = check_budget_bytes(budget_bytes)
+    model = step_model(profile)
     return _pick(profile, [_candidate(profile, model, [], "none")], budget_bytes, "none", start)
 
 
@@ -195,8 +183,12 @@ def checkpoint_all_plan(profile: Profile, budget_bytes: int | None = None) -> Pl
     Units without a ``checkpoint`` cost are kept.
     """
     start = time.perf_counter()
-    model = build_model(profile)
-    options = tuple(_CKPT if _CKPT in u.options else _KEEP for u in profile.units)
+    budget_bytes = check_budget_bytes(budget_bytes)
+    model = step_model(profile)
+    options = tuple(
+        (Option.CHECKPOINT if Option.CHECKPOINT in u.options else Option.KEEP).value
+        for u in profile.units
+    )
     peak = plan_peak_bytes(model, options)
     ms = profile.step_ms + sum(u.options[o].extra_ms for u, o in zip(profile.units, options))
     candidate = _Candidate(options, (), peak, ms, "all")
@@ -209,8 +201,7 @@ def uniform_groups(n: int, k: int) -> list[range]:
     It cuts ``n`` functions into segments of ``n // k`` and checkpoints the first
     ``k - 1`` of them; the rest (the last segment and the remainder) run normally.
     """
-    if not 1 <= k <= n:
-        raise ValueError(f"uniform needs 1 <= k <= {n} (the number of units), got k={k}")
+    k = check_count("k", k, lo=1, hi=n, meaning="the number of units", owner="uniform")
     size = n // k
     return [range(start, start + size) for start in range(0, size * (k - 1), size)]
 
@@ -226,10 +217,13 @@ def uniform_plan(profile: Profile, budget_bytes: int | None = None, *, k: int | 
             plan fits; without a budget, ``k = round(sqrt(n))``.
     """
     start = time.perf_counter()
+    budget_bytes = check_budget_bytes(budget_bytes)
     n = profile.n
-    model = build_model(profile)
+    model = step_model(profile)
     if k is not None:
-        ks: Iterable[int] = [k]
+        ks: Iterable[int] = [
+            check_count("k", k, lo=1, hi=n, meaning="the number of units", owner="uniform")
+        ]
     elif budget_bytes is None:
         ks = [max(1, min(n, round(math.sqrt(n))))]
     else:
@@ -251,7 +245,8 @@ def chen_groups(n: int) -> list[range]:
 def chen_plan(profile: Profile, budget_bytes: int | None = None) -> Plan:
     """``chen``: ~sqrt(n) checkpoint segments of ~sqrt(n) units (Chen et al., 2016)."""
     start = time.perf_counter()
-    model = build_model(profile)
+    budget_bytes = check_budget_bytes(budget_bytes)
+    model = step_model(profile)
     candidate = _candidate(profile, model, chen_groups(profile.n), "chen")
     return _pick(profile, [candidate], budget_bytes, "chen", start)
 
@@ -283,7 +278,10 @@ def chen_greedy_plan(
     the lowest peak.
     """
     start = time.perf_counter()
-    model = build_model(profile)
+    budget_bytes = check_budget_bytes(budget_bytes)
+    thresholds = check_count("thresholds", thresholds, lo=1, meaning="how many thresholds to try",
+                             owner="chen-greedy")
+    model = step_model(profile)
     sizes = [u.keep.held_bytes + u.output_bytes for u in profile.units]
     lo, hi = max(max(sizes), 1), max(sum(sizes), 1)
     candidates = []

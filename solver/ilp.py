@@ -1,7 +1,7 @@
 """The budgeted optimum as a CP-SAT model: an independent check of the DP, and a fallback.
 
 The model has the same plan space and the same event rules as ``simulate()`` (see
-:mod:`remat.solver.dp` for the derivation). Variables are named after what they
+:mod:`remat.solver.events` for the derivation). Variables are named after what they
 mean, so an exported model reads like the plan:
 
 * ``opt[u3,selective]`` -- unit 3 runs alone with option ``selective``;
@@ -49,18 +49,21 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
-from remat.errors import InfeasibleBudgetError, RematError
-from remat.solver.dp import StepModel, build_model, min_peak_bytes, need_to_go, stamp_plan
+from remat.errors import RematError
+from remat.solver.events import StepModel, step_model
+from remat.solver.infeasible import infeasible_budget_error
+from remat.solver.min_peak import min_peak_bytes
+from remat.solver.params import ParameterError, check_budget_bytes, check_count, check_seconds
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Option, Profile
 from remat.solver.simulate import simulate
+from remat.solver.stamp import keep_all_when_it_fits, stamp_plan
 
-__all__ = ["TIME_UNITS_PER_MS", "solve_ilp"]
+__all__ = ["TIME_UNITS_PER_MS", "build_cp_model", "solve_ilp"]
 
 log = logging.getLogger(__name__)
 
 TIME_UNITS_PER_MS = 1_000_000  # objective resolution: 1 ns
-_CKPT = Option.CHECKPOINT.value
 
 LinearExpr = cp_model.LinearExprT
 
@@ -133,8 +136,8 @@ def _held_bytes(profile: Profile, v: _Vars, i: int) -> LinearExpr:
     """Unit i's ``held_bytes`` (a segment's first unit holds its checkpoint bytes)."""
     unit = profile.units[i]
     own = sum(c.held_bytes * v.opt[i, o] for o, c in unit.options.items())
-    if _CKPT in unit.options:
-        own += unit.options[_CKPT].held_bytes * sum(x for _, x in v.starting[i])
+    if Option.CHECKPOINT in unit.options:
+        own += unit.options[Option.CHECKPOINT].held_bytes * sum(x for _, x in v.starting[i])
     return own
 
 
@@ -227,7 +230,7 @@ def _forward_events(
     for i, unit in enumerate(profile.units):
         peak = sum(cost.fwd_peak_bytes * v.opt[i, o] for o, cost in unit.options.items())
         if i in v.coverable:
-            peak += unit.options[_CKPT].fwd_peak_bytes * v.inseg[i]
+            peak += unit.options[Option.CHECKPOINT].fwd_peak_bytes * v.inseg[i]
         m.add(v.held_before[i] + c + unit.input_bytes + peak <= budget)
 
 
@@ -308,8 +311,8 @@ def _objective(m: cp_model.CpModel, profile: Profile, v: _Vars) -> None:
     for i, unit in enumerate(profile.units):
         for o, cost in unit.options.items():
             terms.append(_scaled_ms(cost.extra_ms) * v.opt[i, o])
-        if _CKPT in unit.options:
-            terms.append(_scaled_ms(unit.options[_CKPT].extra_ms) * v.inseg[i])
+        if Option.CHECKPOINT in unit.options:
+            terms.append(_scaled_ms(unit.options[Option.CHECKPOINT].extra_ms) * v.inseg[i])
     m.minimize(sum(terms))
 
 
@@ -354,7 +357,7 @@ def _usable_segments(
     """
     if not model.chain:
         return []
-    ng = need_to_go(model, model.seg_need)
+    ng = model.need
     low = _min_held_before(model, budget, ng)
     cum = model.ckpt_cum_ms
     out = []
@@ -382,7 +385,7 @@ def build_cp_model(
     ``max_extra_ms`` (the added time of a known feasible plan) lets it leave out
     segments whose checkpoint time alone is more than that.
     """
-    model = model or build_model(profile)
+    model = model or step_model(profile)
     m = cp_model.CpModel()
     v = _Vars()
     _option_vars(m, profile, v)
@@ -463,7 +466,7 @@ def _read_plan(profile: Profile, solver: cp_model.CpSolver, v: _Vars) -> Plan:
     options = []
     for i, unit in enumerate(profile.units):
         chosen = [o for o in unit.options if solver.boolean_value(v.opt[i, o])]
-        options.append(chosen[0] if chosen else _CKPT)  # none chosen: in a segment
+        options.append(chosen[0] if chosen else Option.CHECKPOINT)  # none chosen: in a segment
     segments = tuple(sorted(s for s, x in v.seg.items() if solver.boolean_value(x)))
     return Plan(names, tuple(options), segments)
 
@@ -481,7 +484,8 @@ def solve_ilp(
 
     Args:
         profile: the measured profile.
-        budget_bytes: the budget; ``None`` means none (the plan keeps everything).
+        budget_bytes: the budget; ``None`` means none. With none, or a budget of at
+            least the no-checkpoint peak, the plan keeps everything (no search).
         time_limit_s: CP-SAT's wall-time limit, in seconds. When it stops the search
             with a plan it has not proven optimal, the plan's status is ``"feasible"``.
         workers: CP-SAT search workers (default: the machine's CPU count).
@@ -491,16 +495,21 @@ def solve_ilp(
             its own, and segments slower than the hint alone are left out.
 
     Raises:
-        InfeasibleBudgetError: no plan fits (``min_feasible_bytes`` from the DP).
+        InfeasibleBudgetError: no plan fits; it carries the smallest peak any plan
+            reaches and where that peak sits.
+        ParameterError: a parameter of the wrong type or out of range.
         RematError: CP-SAT found no plan within the time limit.
     """
     start = time.perf_counter()
-    names = [u.name for u in profile.units]
-    if budget_bytes is None:
-        return _finish(profile, Plan.keep_all(names), None, Status.OPTIMAL, start)
-    model = build_model(profile)
-    if model.floor_bytes > budget_bytes:
-        raise InfeasibleBudgetError(budget_bytes, min_peak_bytes(profile, model))
+    budget_bytes = check_budget_bytes(budget_bytes)
+    _check_params(time_limit_s, workers, seed, hint)
+    kept = keep_all_when_it_fits(profile, budget_bytes, algorithm="ilp", start=start)
+    if kept is not None:
+        return kept
+    assert budget_bytes is not None  # keep_all_when_it_fits returns a plan for None
+    if min_peak_bytes(profile) > budget_bytes:
+        raise infeasible_budget_error(profile, budget_bytes)
+    model = step_model(profile)
     max_extra_ms = _hint_extra_ms(profile, hint, budget_bytes)
     m, v = build_cp_model(profile, budget_bytes, model, max_extra_ms=max_extra_ms)
     if hint is not None:
@@ -513,14 +522,30 @@ def solve_ilp(
     log.debug("ilp: %s after %.2f s (%d segments modelled)", solver.status_name(code),
               solver.wall_time, len(v.seg))
     if code == cp_model.INFEASIBLE:
-        raise InfeasibleBudgetError(budget_bytes, min_peak_bytes(profile, model))
+        # The smallest peak fits the budget (checked above), so the model admits a plan.
+        raise AssertionError(
+            f"CP-SAT calls budget {budget_bytes} B infeasible, but a plan peaking at "
+            f"{min_peak_bytes(profile)} B fits it: the CP-SAT model and the event model disagree"
+        )
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RematError(
             f"CP-SAT found no plan within time_limit_s={time_limit_s} "
             f"({solver.status_name(code)}); raise the limit or use method='dp'"
         )
     status = Status.OPTIMAL if code == cp_model.OPTIMAL else Status.FEASIBLE
-    return _finish(profile, _read_plan(profile, solver, v), budget_bytes, status, start)
+    plan = _read_plan(profile, solver, v)
+    return stamp_plan(profile, plan, algorithm="ilp", status=status, budget=budget_bytes,
+                      start=start)
+
+
+def _check_params(time_limit_s: object, workers: object, seed: object, hint: object) -> None:
+    """Refuse parameters CP-SAT would misread or fail on, naming them."""
+    check_seconds("time_limit_s", time_limit_s, owner="ilp")
+    if workers is not None:
+        check_count("workers", workers, lo=1, meaning="CP-SAT search workers", owner="ilp")
+    check_count("seed", seed, lo=0, hi=2**31 - 1, meaning="CP-SAT's random seed", owner="ilp")
+    if hint is not None and not isinstance(hint, Plan):
+        raise ParameterError(f"ilp needs hint, a Plan or None, got {type(hint).__name__}")
 
 
 def _hint_extra_ms(profile: Profile, hint: Plan | None, budget: int) -> float:
@@ -534,16 +559,3 @@ def _hint_extra_ms(profile: Profile, hint: Plan | None, budget: int) -> float:
         return np.inf
     # Slack for float noise: the limit must never cut off the hint itself.
     return ms - profile.step_ms + 1e-6 * (1 + abs(ms))
-
-
-def _finish(
-    profile: Profile, plan: Plan, budget: int | None, status: str, start: float
-) -> Plan:
-    """Re-score the plan with simulate(), check it fits, and stamp it."""
-    plan = stamp_plan(profile, plan, algorithm="ilp", status=status, budget=budget, start=start)
-    if budget is not None and plan.predicted_peak_bytes > budget:
-        raise AssertionError(
-            f"ilp plan peaks at {plan.predicted_peak_bytes} B under simulate(), above the "
-            f"budget {budget} B"
-        )
-    return plan

@@ -1,12 +1,19 @@
-"""The memory/time trade-off of a profile: the optimum at many budgets, next to the baselines."""
+"""The memory/time trade-off of a profile: the optimum at many budgets, next to the baselines.
+
+A frontier holds each distinct plan once and no plan another one beats: among
+the solved plans, a plan is dropped when another is no slower and peaks no
+higher (on a tie in both, the one found at the smaller budget stays). pandas is
+imported only where the frame is built.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from remat.errors import InfeasibleBudgetError
 from remat.solver.baselines import (
@@ -15,16 +22,23 @@ from remat.solver.baselines import (
     keep_all_plan,
     uniform_plan,
 )
-from remat.solver.dp import min_peak_bytes
+from remat.solver.min_peak import min_peak_bytes
+from remat.solver.params import check_count
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Profile
 from remat.solver.solve import algorithm, no_checkpoint_peak_bytes
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["COLUMNS", "frontier_plans", "min_feasible_peak", "pareto_frontier"]
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("budget_bytes", "peak_bytes", "time_ms", "overhead_pct", "algorithm", "plan", "kind")
+
+# Plan times are sums of floats: times this close count as equal.
+_TIME_TOLERANCE_MS = 1e-9
 
 
 def min_feasible_peak(profile: Profile) -> int:
@@ -34,11 +48,70 @@ def min_feasible_peak(profile: Profile) -> int:
 
 def _budgets(lo: int, hi: int, points: int) -> list[int]:
     """``points`` integer budgets from ``lo`` to ``hi`` inclusive, evenly spread, unique."""
-    if points < 1:
-        raise ValueError(f"points must be >= 1, got {points}")
     if points == 1 or hi <= lo:
         return [lo]
     return sorted({int(round(b)) for b in np.linspace(lo, hi, points)})
+
+
+def _check_points(points: object) -> int:
+    return check_count("points", points, lo=1, meaning="how many budgets to solve at",
+                       owner="the frontier")
+
+
+def _solved(profile: Profile, points: int, method: str) -> list[tuple[int, Plan]]:
+    """(budget, plan) at ``points`` budgets from the smallest feasible peak to the
+    no-checkpoint peak, ascending; budgets ``method`` cannot meet give none."""
+    solve = algorithm(method)
+    found = []
+    for budget in _budgets(min_feasible_peak(profile), no_checkpoint_peak_bytes(profile), points):
+        try:
+            found.append((budget, solve(profile, budget)))
+        except InfeasibleBudgetError as err:
+            log.info("pareto: %s cannot meet %d B: %s", method, budget, err)
+    return found
+
+
+def _beats(a: Plan, b: Plan) -> bool:
+    """``a`` is no slower than ``b`` and peaks no higher."""
+    assert a.predicted_time_ms is not None and b.predicted_time_ms is not None
+    return (
+        a.predicted_time_ms <= b.predicted_time_ms + _TIME_TOLERANCE_MS
+        and a.predicted_peak_bytes <= b.predicted_peak_bytes
+    )
+
+
+def _frontier(solved: Sequence[tuple[int, Plan]]) -> list[tuple[int, Plan]]:
+    """The non-dominated (budget, plan) pairs, each distinct plan once, by budget.
+
+    ``solved`` is ascending by budget, so a plan keeps the smallest budget at which
+    it was found. A pair goes when an earlier pair beats it (no slower, no higher:
+    a tie stays with the smaller budget) or a later one beats it strictly.
+    """
+    kept: list[tuple[int, Plan]] = []
+    seen = set()
+    for k, (budget, plan) in enumerate(solved):
+        key = (plan.options, plan.segments)
+        if key in seen:
+            continue
+        seen.add(key)
+        earlier = any(_beats(p, plan) for _, p in solved[:k])
+        later = any(_beats(p, plan) and not _beats(plan, p) for _, p in solved[k + 1 :])
+        if not earlier and not later:
+            kept.append((budget, plan))
+    return kept
+
+
+def frontier_plans(profile: Profile, *, points: int = 20, method: str = "dp") -> list[Plan]:
+    """The distinct non-dominated best plans at ``points`` budgets from the smallest
+    feasible peak to the no-checkpoint peak, fastest first (ties: smaller peak first).
+
+    Budgets ``method`` cannot meet give no plan. Each plan's ``budget_bytes`` is the
+    smallest of those budgets at which it was found.
+    """
+    points = _check_points(points)
+    kept = _frontier(_solved(profile, points, method))
+    return sorted((plan for _, plan in kept),
+                  key=lambda p: (p.predicted_time_ms, p.predicted_peak_bytes))
 
 
 def _row(plan: Plan, base_ms: float, kind: str, label: str, budget: int | None) -> dict:
@@ -60,53 +133,57 @@ def _uniform_ks(n: int) -> list[int]:
 
 
 def _baseline_rows(profile: Profile, base_ms: float) -> list[dict]:
-    """none, all, uniform for a few k, and chen, each without a budget."""
+    """none, all, uniform for a few k, and chen, each without a budget.
+
+    Baselines that make the same plan share one row, labelled with all their
+    names (``"all = chen"``).
+    """
     plans = [("none", keep_all_plan(profile)), ("all", checkpoint_all_plan(profile))]
     plans += [(f"uniform(k={k})", uniform_plan(profile, k=k)) for k in _uniform_ks(profile.n)]
     plans.append(("chen", chen_plan(profile)))
-    return [_row(plan, base_ms, "baseline", label, None) for label, plan in plans]
-
-
-def frontier_plans(profile: Profile, *, points: int = 20, method: str = "dp") -> list[Plan]:
-    """The distinct best plans at ``points`` budgets from the smallest feasible peak to
-    the no-checkpoint peak, fastest first (ties: smaller peak first).
-
-    Budgets ``method`` cannot meet give no plan.
-    """
-    solve = algorithm(method)
-    found: dict[tuple, Plan] = {}
-    for budget in _budgets(min_feasible_peak(profile), no_checkpoint_peak_bytes(profile), points):
-        try:
-            plan = solve(profile, budget)
-        except InfeasibleBudgetError:
-            continue
-        found.setdefault((plan.options, plan.segments), plan)
-    return sorted(found.values(), key=lambda p: (p.predicted_time_ms, p.predicted_peak_bytes))
+    labels: dict[tuple, list[str]] = {}
+    first: dict[tuple, Plan] = {}
+    for label, plan in plans:
+        key = (plan.options, plan.segments)
+        labels.setdefault(key, []).append(label)
+        first.setdefault(key, plan)
+    return [_row(first[key], base_ms, "baseline", " = ".join(names), None)
+            for key, names in labels.items()]
 
 
 def pareto_frontier(
     profile: Profile, *, points: int = 20, method: str = "dp", baselines: bool = True
 ) -> pd.DataFrame:
-    """The best plan at ``points`` budgets from the smallest feasible peak to the
+    """The best plans at ``points`` budgets from the smallest feasible peak to the
     no-checkpoint peak, plus the baselines' plans without a budget.
 
-    Columns: ``budget_bytes`` (``<NA>`` for baselines), ``peak_bytes``, ``time_ms``,
-    ``overhead_pct`` (time over the no-checkpoint plan's, in percent), ``algorithm``,
-    ``plan`` (its summary) and ``kind``: ``"optimal"`` for proven optima,
-    ``"feasible"`` for budgeted plans not proven optimal (a heuristic ``method`` or
-    a CP-SAT time limit), ``"baseline"`` for the baselines. A budget the method
-    cannot meet (a heuristic's) gives no row.
+    Columns: ``budget_bytes``, ``peak_bytes``, ``time_ms``, ``overhead_pct`` (time
+    over the no-checkpoint plan's, in percent), ``algorithm``, ``plan`` (its
+    summary) and ``kind``: ``"optimal"`` for proven optima, ``"feasible"`` for
+    budgeted plans not proven optimal (a heuristic ``method`` or a CP-SAT time
+    limit), ``"baseline"`` for the baselines.
+
+    The budgeted rows are a frontier, by budget: each distinct plan appears once,
+    with ``budget_bytes`` the smallest of the sampled budgets at which ``method``
+    returned it, and no row is beaten by another (no slower and no higher peak;
+    of two rows equal in both, the one at the smaller budget stays). So a budget
+    whose plan another row matches or beats has no row of its own; the fastest row
+    whose ``peak_bytes`` fits that budget is as fast as its plan. A budget the
+    method cannot meet (a heuristic's) gives no row. Baseline rows (``budget_bytes`` is
+    ``<NA>``) are reference points and are never dropped, but baselines that make
+    the same plan share a row (``algorithm`` ``"all = chen"``).
+
+    Raises:
+        ParameterError: ``points`` is not an int >= 1.
+        UnknownMethodError: ``method`` names no algorithm.
     """
-    solve = algorithm(method)
+    import pandas as pd  # slow to import: only when a frame is built
+
+    points = _check_points(points)
     keep = keep_all_plan(profile)
     base_ms = keep.predicted_time_ms or 0.0
     rows = []
-    for budget in _budgets(min_feasible_peak(profile), no_checkpoint_peak_bytes(profile), points):
-        try:
-            plan = solve(profile, budget)
-        except InfeasibleBudgetError as err:
-            log.info("pareto: %s cannot meet %d B: %s", method, budget, err)
-            continue
+    for budget, plan in _frontier(_solved(profile, points, method)):
         kind = "optimal" if plan.status == Status.OPTIMAL else "feasible"
         rows.append(_row(plan, base_ms, kind, plan.algorithm, budget))
     if baselines:

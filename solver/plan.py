@@ -7,18 +7,31 @@ model they do not fit.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from remat.errors import PlanMismatchError
-from remat.solver.profile import Option
+from remat.errors import PlanError, PlanMismatchError
+from remat.solver.field_checks import (
+    MAX_INT64,
+    checked_bytes,
+    checked_list,
+    checked_ms,
+    checked_str,
+    checked_strings,
+)
+from remat.solver.json_io import (
+    JsonSource,
+    check_keys,
+    read_json_object,
+    refuse_other_kind,
+    write_json,
+)
+from remat.solver.profile import OPTION_ORDER, Option
 
 __all__ = ["PLAN_SCHEMA_VERSION", "Plan", "Status"]
 
 PLAN_SCHEMA_VERSION = 1
-_OPTIONS = tuple(o.value for o in Option)
 
 
 class Status:
@@ -57,6 +70,9 @@ class Plan:
             ``torch._functorch.config.activation_memory_budget`` it was measured with
             (inductor's own recomputation; 1.0 is its default): compile it with
             :func:`remat.compile_planned`, which sets it.
+
+    A field of the wrong type (a string where a list belongs, a float or bool where
+    an int does, NaN, a negative figure) is a :class:`PlanError` at construction.
     """
 
     unit_names: tuple[str, ...]
@@ -76,19 +92,22 @@ class Plan:
     activation_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "unit_names", tuple(self.unit_names))
-        object.__setattr__(self, "options", tuple(str(o) for o in self.options))
-        object.__setattr__(self, "segments", tuple((int(a), int(b)) for a, b in self.segments))
+        _set(self, "unit_names", checked_strings(self.unit_names, "Plan.unit_names", PlanError))
+        _set(self, "options", checked_strings(self.options, "Plan.options", PlanError))
+        _set(self, "segments", _checked_segments(self.segments))
         if self.unit_types is not None:
-            object.__setattr__(self, "unit_types", tuple(self.unit_types))
+            _set(self, "unit_types", checked_strings(self.unit_types, "Plan.unit_types", PlanError))
+        _check_figures(self)
         n = len(self.unit_names)
         if len(self.options) != n:
             raise PlanMismatchError(
                 f"a plan needs one option per unit: {n} units, {len(self.options)} options"
             )
-        bad = [o for o in self.options if o not in _OPTIONS]
+        bad = [o for o in self.options if o not in OPTION_ORDER]
         if bad:
-            raise PlanMismatchError(f"unknown options {bad}; valid options: {list(_OPTIONS)}")
+            raise PlanMismatchError(
+                f"unknown options {bad}; valid options: {[o.value for o in OPTION_ORDER]}"
+            )
         last = -1
         for a, b in self.segments:
             if not (0 <= a < b < n):
@@ -126,7 +145,7 @@ class Plan:
 
     def summary(self) -> str:
         """A short description: ``'keep 4, checkpoint 6, segments [2-5]'``."""
-        counts = {o: self.options.count(o) for o in _OPTIONS if o in self.options}
+        counts = {o.value: self.options.count(o) for o in OPTION_ORDER if o in self.options}
         text = ", ".join(f"{o} {c}" for o, c in counts.items())
         if self.segments:
             text += ", segments " + " ".join(f"[{a}-{b}]" for a, b in self.segments)
@@ -171,30 +190,81 @@ class Plan:
         d["segments"] = [list(s) for s in self.segments]
         return {"schema_version": PLAN_SCHEMA_VERSION, **d}
 
-    def to_json(self, path: str | None = None, *, indent: int = 1) -> str:
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
+    def to_json(self, path: JsonSource | None = None, *, indent: int = 1) -> str:
+        """The plan as JSON text, also written to ``path`` (a str or Path) when given."""
+        return write_json(self.to_dict(), path, indent)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Plan:
-        d = dict(d)
-        version = d.pop("schema_version", None)
+        """A plan from :meth:`to_dict`'s output; a malformed one is a :class:`PlanError`."""
+        if not isinstance(d, Mapping):
+            raise PlanError(f"a plan is a JSON object (a dict), got {type(d).__name__}")
+        refuse_other_kind(d, "plan", PlanError)
+        version = d.get("schema_version")
         if version != PLAN_SCHEMA_VERSION:
             raise PlanMismatchError(
                 f"plan schema_version {version!r} is not supported (expected "
                 f"{PLAN_SCHEMA_VERSION}); solve the plan again with this remat"
             )
-        d["segments"] = tuple(tuple(s) for s in d.get("segments", ()))
+        d = check_keys(d, cls, "the plan", PlanError, extra=("schema_version",))
+        d.pop("schema_version")
         return cls(**d)
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> Plan:
-        """Read a plan from a JSON string or a path to a JSON file."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path) as f:
-                text = f.read()
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, source: JsonSource) -> Plan:
+        """Read a plan from a path (a ``str`` or ``pathlib.Path``) or from JSON text.
+
+        Raises:
+            PlanError: the file is missing, unreadable, empty, not JSON, a profile, or
+                holds a malformed plan; the message names the file and the field.
+        """
+        d, where = read_json_object(source, "plan", PlanError)
+        try:
+            return cls.from_dict(d)
+        except PlanError as err:
+            raise type(err)(f"{where}: {err}") from None
+
+
+# ---------------------------------------------------------------------------------
+# Field checks (see remat.solver.field_checks)
+# ---------------------------------------------------------------------------------
+def _set(plan: Plan, name: str, value: object) -> None:
+    """Store a checked (normalised) value on the frozen plan."""
+    object.__setattr__(plan, name, value)
+
+
+def _checked_segments(segments: object) -> tuple[tuple[int, int], ...]:
+    """``segments`` as ``((first, last), ...)`` of ints; anything else is a PlanError."""
+    out = []
+    for k, seg in enumerate(checked_list(segments, "Plan.segments", PlanError)):
+        where = f"Plan.segments[{k}]"
+        pair = checked_list(seg, where, PlanError)
+        if len(pair) != 2:
+            raise PlanError(f"{where} must be a [first, last] pair of unit indices, got {seg!r}")
+        a, b = (checked_bytes(x, where, PlanError, hi=None, unit="unit indices") for x in pair)
+        out.append((a, b))
+    return tuple(out)
+
+
+def _check_figures(plan: Plan) -> None:
+    """The text fields are strings, the figures non-negative and finite (or ``None``)."""
+    checked_str(plan.algorithm, "Plan.algorithm", PlanError)
+    checked_str(plan.status, "Plan.status", PlanError)
+    _set(plan, "solve_ms", checked_ms(plan.solve_ms, "Plan.solve_ms", PlanError, hi=None))
+    # The budget is the user's, as given: any size (a huge one means "no limit").
+    optional: dict[str, Any] = {
+        "budget_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=None),
+        "predicted_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
+        "compiled_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
+        "predicted_time_ms": lambda v, w: checked_ms(v, w, PlanError, hi=None),
+        "compiled_time_ms": lambda v, w: checked_ms(v, w, PlanError, hi=None),
+        "activation_memory_budget": lambda v, w: checked_ms(
+            v, w, PlanError, hi=None, unit="a fraction"
+        ),
+        "fingerprint": lambda v, w: checked_str(v, w, PlanError),
+        "device": lambda v, w: checked_str(v, w, PlanError),
+    }
+    for name, check in optional.items():
+        value = getattr(plan, name)
+        if value is not None:
+            _set(plan, name, check(value, f"Plan.{name}"))

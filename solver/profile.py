@@ -26,8 +26,26 @@ from enum import Enum
 from typing import Any
 
 from remat.errors import ProfileError
+from remat.solver.field_checks import (
+    MAX_BYTES,
+    MAX_MS,
+    checked_bool,
+    checked_bytes,
+    checked_list,
+    checked_ms,
+    checked_str,
+)
+from remat.solver.json_io import (
+    JsonSource,
+    check_keys,
+    read_json_object,
+    refuse_other_kind,
+    write_json,
+)
 
 __all__ = [
+    "MAX_BYTES",
+    "MAX_MS",
     "SCHEMA_VERSION",
     "Option",
     "OPTION_ORDER",
@@ -130,11 +148,7 @@ class OptionCost:
     extra_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes"):
-            if getattr(self, name) < 0:
-                raise ProfileError(f"OptionCost.{name} must be >= 0, got {getattr(self, name)}")
-        if self.extra_ms < 0:
-            raise ProfileError(f"OptionCost.extra_ms must be >= 0, got {self.extra_ms}")
+        _check_fields(self, ints=_OPTION_INTS, bools=_OPTION_BOOLS, floats=("extra_ms",))
 
 
 @dataclass(frozen=True)
@@ -170,20 +184,40 @@ class UnitProfile:
     output_held_outside: bool = False
 
     def __post_init__(self) -> None:
-        if Option.KEEP.value not in self.options:
-            raise ProfileError(f"unit {self.name!r} has no 'keep' option cost")
+        checked_str(self.name, "UnitProfile.name", ProfileError)
+        checked_str(self.type_name, f"unit {self.name!r}: UnitProfile.type_name", ProfileError)
+        _check_fields(self, ints=_UNIT_INTS, bools=_UNIT_BOOLS, floats=("fwd_ms", "bwd_ms"),
+                      owner=f"unit {self.name!r}: UnitProfile")
+        if not isinstance(self.options, Mapping):
+            raise ProfileError(
+                f"unit {self.name!r}: options must map option names to OptionCost, got "
+                f"{type(self.options).__name__}"
+            )
         unknown = set(self.options) - {o.value for o in Option}
         if unknown:
             raise ProfileError(
-                f"unit {self.name!r} has unknown options {sorted(unknown)}; "
+                f"unit {self.name!r} has unknown options {sorted(map(str, unknown))}; "
                 f"valid: {[o.value for o in Option]}"
+            )
+        if Option.KEEP not in self.options:
+            raise ProfileError(f"unit {self.name!r} has no 'keep' option cost")
+        for option, cost in self.options.items():
+            if not isinstance(cost, OptionCost):
+                raise ProfileError(
+                    f"unit {self.name!r}: the cost of option {str(option)!r} must be an "
+                    f"OptionCost, got {type(cost).__name__}"
+                )
+        if self.keep.extra_ms != 0:
+            raise ProfileError(
+                f"unit {self.name!r}: the 'keep' option's extra_ms must be 0 (every option's "
+                f"extra_ms is measured against keep), got {self.keep.extra_ms}"
             )
 
     @property
     def keep(self) -> OptionCost:
         return self.options[Option.KEEP.value]
 
-    def held_bytes(self, option: str) -> int:
+    def held_bytes(self, option: str) -> int:  # Option members index options too
         """Bytes the unit holds until its backward under ``option``, its own boundaries included."""
         cost = self.options[option]
         return (
@@ -227,6 +261,9 @@ class OutsideCost:
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
 
+    def __post_init__(self) -> None:
+        _check_fields(self, ints=_OUTSIDE_INTS, floats=("fwd_ms", "bwd_ms"))
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -251,6 +288,11 @@ class Profile:
         device, dtype: where and in what precision it was measured.
         input_shapes: the sample batch's tensor shapes, by argument name.
         meta: free-form notes (torch version, the meter used, ...).
+
+    Every byte figure here and in the units is an int in ``[0, MAX_BYTES]``, every
+    time a finite float in ``[0, MAX_MS]`` milliseconds; anything else (a string,
+    a bool, NaN, a negative number) is a :class:`ProfileError` at construction.
+    Profiles are immutable: the solver caches its event model on them.
     """
 
     units: tuple[UnitProfile, ...]
@@ -270,9 +312,27 @@ class Profile:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "units", tuple(self.units))
+        object.__setattr__(self, "units", checked_list(self.units, "Profile.units", ProfileError))
         if not self.units:
             raise ProfileError("a profile needs at least one unit")
+        for k, unit in enumerate(self.units):
+            if not isinstance(unit, UnitProfile):
+                raise ProfileError(
+                    f"Profile.units[{k}] must be a UnitProfile, got {type(unit).__name__}"
+                )
+        for name in ("prefix", "suffix"):
+            if not isinstance(getattr(self, name), OutsideCost):
+                kind = type(getattr(self, name)).__name__
+                raise ProfileError(f"Profile.{name} must be an OutsideCost, got {kind}")
+        _check_fields(self, ints=_PROFILE_INTS, bools=("is_chain",), floats=("step_ms",))
+        if self.measured_peak_bytes is not None:
+            _set(self, "measured_peak_bytes", checked_bytes(
+                self.measured_peak_bytes, "Profile.measured_peak_bytes", ProfileError))
+        checked_str(self.device, "Profile.device", ProfileError)
+        checked_str(self.dtype, "Profile.dtype", ProfileError)
+        _set(self, "input_shapes", _checked_shapes(self.input_shapes))
+        if not isinstance(self.meta, Mapping):
+            raise ProfileError(f"Profile.meta must be a mapping, got {type(self.meta).__name__}")
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ProfileError(f"unit names must be unique, got {names}")
@@ -355,45 +415,122 @@ class Profile:
         d["meta"] = dict(self.meta)
         return {"schema_version": SCHEMA_VERSION, **d}
 
-    def to_json(self, path: str | None = None, *, indent: int = 1) -> str:
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
+    def to_json(self, path: JsonSource | None = None, *, indent: int = 1) -> str:
+        """The profile as JSON text, also written to ``path`` (a str or Path) when given."""
+        return write_json(self.to_dict(), path, indent)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Profile:
+        """A profile from :meth:`to_dict`'s output; a malformed one is a :class:`ProfileError`."""
+        if not isinstance(d, Mapping):
+            raise ProfileError(f"a profile is a JSON object (a dict), got {type(d).__name__}")
+        refuse_other_kind(d, "profile", ProfileError)
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ProfileError(
                 f"profile schema_version {version!r} is not supported (this remat reads "
                 f"version {SCHEMA_VERSION}); profile the model again with this version"
             )
-        d = dict(d)
+        d = check_keys(d, cls, "the profile", ProfileError, extra=("schema_version",))
         d.pop("schema_version")
-        units = tuple(
-            UnitProfile(
-                **{
-                    **u,
-                    "options": {k: OptionCost(**v) for k, v in u["options"].items()},
-                }
-            )
-            for u in d.pop("units")
-        )
-        return cls(
-            units=units,
-            prefix=OutsideCost(**d.pop("prefix")),
-            suffix=OutsideCost(**d.pop("suffix")),
-            input_shapes={k: tuple(v) for k, v in d.pop("input_shapes").items()},
-            **d,
-        )
+        units = checked_list(d["units"], "the profile's 'units'", ProfileError)
+        d["units"] = tuple(_unit_from_dict(k, u) for k, u in enumerate(units))
+        for name in ("prefix", "suffix"):
+            if name in d:
+                d[name] = _build(OutsideCost, d[name], f"the profile's {name!r}")
+        return cls(**d)
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> Profile:
-        """Read a profile from a JSON string or a path to a JSON file."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path) as f:
-                text = f.read()
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, source: JsonSource) -> Profile:
+        """Read a profile from a path (a ``str`` or ``pathlib.Path``) or from JSON text.
+
+        Raises:
+            ProfileError: the file is missing, unreadable, empty, not JSON, a plan, or
+                holds a malformed profile; the message names the file and the field.
+        """
+        d, where = read_json_object(source, "profile", ProfileError)
+        try:
+            return cls.from_dict(d)
+        except ProfileError as err:
+            raise ProfileError(f"{where}: {err}") from None
+
+
+# ---------------------------------------------------------------------------------
+# Field checks (see remat.solver.field_checks)
+# ---------------------------------------------------------------------------------
+_OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
+_OPTION_BOOLS = ("holds_input", "holds_output")
+_UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes")
+_UNIT_BOOLS = ("input_held_outside", "output_held_outside")
+_OUTSIDE_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "param_grad_bytes")
+_PROFILE_INTS = (
+    "param_bytes",
+    "buffer_bytes",
+    "optimizer_state_bytes",
+    "optimizer_step_peak_bytes",
+    "loss_bytes",
+)
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    """Store a checked (normalised) value on a frozen dataclass."""
+    object.__setattr__(obj, name, value)
+
+
+def _check_fields(
+    obj: object,
+    *,
+    ints: tuple[str, ...] = (),
+    bools: tuple[str, ...] = (),
+    floats: tuple[str, ...] = (),
+    owner: str | None = None,
+) -> None:
+    """Check and normalise ``obj``'s numeric fields (numpy scalars become Python ones)."""
+    owner = owner or type(obj).__name__
+    for name in ints:
+        _set(obj, name, checked_bytes(getattr(obj, name), f"{owner}.{name}", ProfileError))
+    for name in bools:
+        _set(obj, name, checked_bool(getattr(obj, name), f"{owner}.{name}", ProfileError))
+    for name in floats:
+        _set(obj, name, checked_ms(getattr(obj, name), f"{owner}.{name}", ProfileError))
+
+
+def _checked_shapes(shapes: object) -> dict[str, tuple[int, ...]]:
+    if not isinstance(shapes, Mapping):
+        raise ProfileError(
+            f"Profile.input_shapes must map argument names to shapes, got {type(shapes).__name__}"
+        )
+    out = {}
+    for name, shape in shapes.items():
+        where = f"Profile.input_shapes[{name!r}]"
+        dims = checked_list(shape, where, ProfileError)
+        out[checked_str(name, "a Profile.input_shapes key", ProfileError)] = tuple(
+            checked_bytes(d, where, ProfileError, hi=None, unit="elements") for d in dims
+        )
+    return out
+
+
+def _build(cls: type, value: object, where: str, **converted: Any) -> Any:
+    """``cls(**value)`` with its keys checked; ``converted`` replaces some values.
+
+    A :class:`ProfileError` names ``where`` (``"the profile's units[3] ('h.3')"``).
+    """
+    d = {**check_keys(value, cls, where, ProfileError), **converted}
+    try:
+        return cls(**d)
+    except ProfileError as err:
+        raise ProfileError(f"{where}: {err}") from None
+
+
+def _unit_from_dict(k: int, u: object) -> UnitProfile:
+    where = f"the profile's units[{k}]"
+    if isinstance(u, Mapping) and isinstance(u.get("name"), str):
+        where += f" ({u['name']!r})"
+    options = check_keys(u, UnitProfile, where, ProfileError)["options"]
+    if not isinstance(options, Mapping):
+        raise ProfileError(f"{where}: 'options' must map option names to costs, got {options!r}")
+    costs = {
+        name: _build(OptionCost, cost, f"{where}, option {name!r}")
+        for name, cost in options.items()
+    }
+    return _build(UnitProfile, u, where, options=costs)

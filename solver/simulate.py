@@ -25,20 +25,24 @@ The rules it encodes:
 * The loss (``loss_bytes``, with the seed gradient) stays alive from the start of
   backward to the end of the step: the caller holds it.
 * The step time is the measured step time plus every option's ``extra_ms``.
+
+Gradients (of parameters and of activations) are counted apart from the other
+live bytes, so the peak can be split into what it is made of (``peak_parts``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from remat.errors import PlanMismatchError
 from remat.solver.plan import Plan
 from remat.solver.profile import Option, OptionCost, Profile
 
-__all__ = ["Simulation", "check_plan_fits_profile", "simulate"]
+__all__ = ["PEAK_PARTS", "Simulation", "check_plan_fits_profile", "simulate"]
 
-_CKPT = Option.CHECKPOINT.value
-_KEEP = Option.KEEP.value
+# What a peak is made of, in this order (see Simulation.peak_parts).
+PEAK_PARTS = ("parameters", "buffers", "optimizer state", "gradients", "activations")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,11 @@ class Simulation:
         held_after_forward_bytes: activation bytes alive when the forward pass ends
             (above the fixed bytes).
         events: ``(event, live bytes at its peak, fixed bytes included)`` in step order.
+        peak_parts: what the peak is made of, by :data:`PEAK_PARTS`: ``parameters``,
+            ``buffers``, ``optimizer state``, ``gradients`` (of parameters and of
+            activations, alive at the peak event) and ``activations``: the rest
+            (held activations and boundaries, the loss, and the event's own working
+            memory). The parts sum to ``peak_bytes``.
     """
 
     peak_bytes: int
@@ -59,6 +68,7 @@ class Simulation:
     peak_event: str
     held_after_forward_bytes: int
     events: tuple[tuple[str, int], ...]
+    peak_parts: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     def __iter__(self):  # noqa: ANN204 - tuple-style unpacking
         return iter((self.peak_bytes, self.time_ms))
@@ -87,23 +97,38 @@ def check_plan_fits_profile(profile: Profile, plan: Plan) -> None:
 
 
 class _Replay:
-    """Live-byte bookkeeping shared by the forward and backward halves of ``simulate``."""
+    """Live-byte bookkeeping shared by the forward and backward halves of ``simulate``.
+
+    ``live`` counts every byte above the fixed ones; ``grad`` the gradient bytes
+    among them (allocated and freed with :meth:`allocate_grad` / :meth:`free_grad`).
+    """
 
     def __init__(self, fixed_bytes: int) -> None:
         self.fixed = fixed_bytes
         self.live = 0
+        self.grad = 0
         self.events: list[tuple[str, int]] = []
+        self.grad_at_event: list[int] = []
         self.size: dict[str, int] = {}
         self.holders: dict[str, set[str]] = {}
 
     def event(self, label: str, transient_above_live: int = 0) -> None:
         self.events.append((label, self.fixed + self.live + transient_above_live))
+        self.grad_at_event.append(self.grad)
 
     def allocate(self, nbytes: int) -> None:
         self.live += nbytes
 
     def free(self, nbytes: int) -> None:
         self.live -= nbytes
+
+    def allocate_grad(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.grad += nbytes
+
+    def free_grad(self, nbytes: int) -> None:
+        self.live -= nbytes
+        self.grad -= nbytes
 
     # Boundaries: storages shared by neighbours, alive while someone holds them.
     def create_boundary(self, key: str, nbytes: int, holders: set[str]) -> None:
@@ -128,7 +153,7 @@ def _effective_cost(profile: Profile, plan: Plan, i: int) -> OptionCost:
     seg = plan.segment_of(i)
     if seg is None:
         return unit.options[plan.options[i]]
-    ckpt = unit.options[_CKPT]
+    ckpt = unit.options[Option.CHECKPOINT]
     first = i == seg[0]
     return OptionCost(
         held_bytes=ckpt.held_bytes if first else 0,
@@ -203,10 +228,10 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     r.free(profile.suffix.held_bytes)
     # The caller's loss and the seed gradient outlive the suffix's other held bytes.
     r.allocate(profile.loss_bytes)
-    r.allocate(profile.suffix.param_grad_bytes)
+    r.allocate_grad(profile.suffix.param_grad_bytes)
     if chain:
         r.drop_holder(out_key(n - 1), "suffix")
-        r.allocate(units[n - 1].output_bytes)  # the gradient of the last unit's output
+        r.allocate_grad(units[n - 1].output_bytes)  # the gradient of the last unit's output
 
     i = n - 1
     while i >= 0:
@@ -222,14 +247,28 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     r.free(profile.prefix.held_bytes)
     if chain:
         r.drop_holder(in_key(0), "prefix")
-        r.free(units[0].input_grad_bytes)
-    r.allocate(profile.prefix.param_grad_bytes)
+        r.free_grad(units[0].input_grad_bytes)
+    r.allocate_grad(profile.prefix.param_grad_bytes)
     r.event("backward end")
     r.event("optimizer step", profile.optimizer_step_peak_bytes)
 
-    label, peak = max(r.events, key=lambda e: e[1])
+    at = max(range(len(r.events)), key=lambda k: r.events[k][1])  # the first highest event
+    label, peak = r.events[at]
     time_ms = profile.step_ms + sum(c.extra_ms for c in cost)
-    return Simulation(peak, time_ms, label, held_after_forward, tuple(r.events))
+    parts = _peak_parts(profile, peak, r.grad_at_event[at])
+    return Simulation(peak, time_ms, label, held_after_forward, tuple(r.events), parts)
+
+
+def _peak_parts(profile: Profile, peak: int, grad: int) -> dict[str, int]:
+    """The peak split by :data:`PEAK_PARTS`; activations are what the others leave."""
+    parts = {
+        "parameters": profile.param_bytes,
+        "buffers": profile.buffer_bytes,
+        "optimizer state": profile.optimizer_state_bytes,
+        "gradients": grad,
+    }
+    parts["activations"] = peak - sum(parts.values())
+    return parts
 
 
 def _grad_out_bytes(profile: Profile, i: int, chain: bool) -> int:
@@ -248,16 +287,16 @@ def _backward_unit(
         # Off a chain the code after the unit has run its backward: it produced the
         # gradient of our output and released its own hold on the output storage.
         r.drop_holder(ok, "outside-out")
-        r.allocate(unit.output_bytes)
+        r.allocate_grad(unit.output_bytes)
     r.event(f"backward {unit.name}", cost.bwd_peak_bytes)
     r.free(cost.held_bytes)
     r.drop_holder(ik, f"u{i}")
     r.drop_holder(ok, f"u{i}")
-    r.free(_grad_out_bytes(profile, i, chain))
-    r.allocate(unit.input_grad_bytes + unit.param_grad_bytes)
+    r.free_grad(_grad_out_bytes(profile, i, chain))
+    r.allocate_grad(unit.input_grad_bytes + unit.param_grad_bytes)
     if not chain:
         # The code before the unit consumes the input gradient and its own hold ends.
-        r.free(unit.input_grad_bytes)
+        r.free_grad(unit.input_grad_bytes)
         r.drop_holder(ik, "outside-in")
 
 
@@ -265,7 +304,7 @@ def _backward_segment(r: _Replay, profile: Profile, seg: tuple[int, int], chain:
     """Recompute units a..b with their keep costs, then run their keep backwards."""
     a, b = seg
     units = profile.units
-    keep = [u.options[_KEEP] for u in units]
+    keep = [u.keep for u in units]
 
     # Recomputation: fresh copies of the segment's inner activations ("r" keys).
     def rkey(k: int) -> str:
@@ -293,9 +332,9 @@ def _backward_segment(r: _Replay, profile: Profile, seg: tuple[int, int], chain:
         r.drop_holder(rkey(k + 1), f"u{k}")
         if k > a:
             r.drop_holder(rkey(k), f"u{k}")
-        r.free(_grad_out_bytes(profile, k, chain))
-        r.allocate(units[k].input_grad_bytes + units[k].param_grad_bytes)
+        r.free_grad(_grad_out_bytes(profile, k, chain))
+        r.allocate_grad(units[k].input_grad_bytes + units[k].param_grad_bytes)
     # The segment's real input, held by its first unit, goes with it, and so does
     # what the first unit held since its forward (its checkpoint ``held_bytes``).
-    r.free(units[a].options[_CKPT].held_bytes)
+    r.free(units[a].options[Option.CHECKPOINT].held_bytes)
     r.drop_holder(f"b{a}", f"u{a}")

@@ -1,7 +1,12 @@
-"""One entry point over every algorithm: ``solve_profile(profile, "8GB", method="optimal")``."""
+"""One entry point over every algorithm: ``solve_profile(profile, "8GB", method="optimal")``.
+
+Importing this module does not import ortools: ``method="ilp"`` loads the CP-SAT
+solver on first use.
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -17,16 +22,35 @@ from remat.solver.baselines import (
 )
 from remat.solver.budget import parse_budget
 from remat.solver.dp import solve_dp
-from remat.solver.ilp import solve_ilp
+from remat.solver.params import UnknownParameterError
 from remat.solver.plan import Plan
 from remat.solver.profile import Profile
 from remat.solver.simulate import simulate
 
-__all__ = ["ALGORITHMS", "UnknownMethodError", "solve_profile"]
+__all__ = [
+    "ALGORITHMS",
+    "UnknownMethodError",
+    "algorithm",
+    "algorithm_parameters",
+    "no_checkpoint_peak_bytes",
+    "solve_profile",
+]
 
 log = logging.getLogger(__name__)
 
 Algorithm = Callable[..., Plan]
+
+
+def _ilp_solver() -> Algorithm:
+    from remat.solver.ilp import solve_ilp  # ortools is slow to import: only when asked for
+
+    return solve_ilp
+
+
+def solve_ilp_on_first_use(profile: Profile, budget_bytes: int | None, **params: Any) -> Plan:
+    """``method="ilp"``: :func:`remat.solver.ilp.solve_ilp`, imported on first call."""
+    return _ilp_solver()(profile, budget_bytes, **params)
+
 
 # "optimal" is the default and is the DP (its plans say algorithm="dp").
 ALGORITHMS: Mapping[str, Algorithm] = MappingProxyType(
@@ -37,10 +61,12 @@ ALGORITHMS: Mapping[str, Algorithm] = MappingProxyType(
         "chen": chen_plan,
         "chen-greedy": chen_greedy_plan,
         "dp": solve_dp,
-        "ilp": solve_ilp,
+        "ilp": solve_ilp_on_first_use,
         "optimal": solve_dp,
     }
 )
+# Algorithms registered through a loader, and the function whose parameters they take.
+_LOADED: Mapping[Algorithm, Callable[[], Algorithm]] = {solve_ilp_on_first_use: _ilp_solver}
 
 
 class UnknownMethodError(RematError, ValueError):
@@ -51,10 +77,28 @@ def algorithm(method: str) -> Algorithm:
     """The algorithm registered as ``method``."""
     try:
         return ALGORITHMS[method]
-    except KeyError:
+    except (KeyError, TypeError):
         raise UnknownMethodError(
             f"unknown method={method!r}; valid methods: {sorted(ALGORITHMS)}"
         ) from None
+
+
+def algorithm_parameters(method: str) -> tuple[str, ...]:
+    """The keyword parameters ``method`` takes besides the profile and the budget."""
+    fn = algorithm(method)
+    fn = _LOADED[fn]() if fn in _LOADED else fn
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    return tuple(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _check_parameters(method: str, params: Mapping[str, Any]) -> None:
+    unknown = sorted(set(params) - set(algorithm_parameters(method)))
+    if unknown:
+        accepted = list(algorithm_parameters(method))
+        takes = f"its parameters are {accepted}" if accepted else "it takes no parameters"
+        raise UnknownParameterError(
+            f"method={method!r} does not take {unknown}; {takes}"
+        )
 
 
 def no_checkpoint_peak_bytes(profile: Profile) -> int:
@@ -77,14 +121,17 @@ def solve_profile(
             peak, or ``None`` for no budget.
         method: one of :data:`ALGORITHMS`.
         params: the algorithm's own parameters (``k=`` for uniform,
-            ``time_limit_s=`` for ilp, ...).
+            ``time_limit_s=`` for ilp, ...: :func:`algorithm_parameters`).
 
     Raises:
         UnknownMethodError: ``method`` names no algorithm.
+        UnknownParameterError: ``params`` has a parameter ``method`` does not take.
+        ParameterError: a parameter of the wrong type or out of range.
         BudgetError: the budget cannot be parsed.
         InfeasibleBudgetError: no plan of the method fits the budget.
     """
     fn = algorithm(method)
+    _check_parameters(method, params)
     budget = None
     if memory_budget is not None:
         budget = parse_budget(memory_budget, reference_peak_bytes=no_checkpoint_peak_bytes(profile))

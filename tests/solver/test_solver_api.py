@@ -21,8 +21,9 @@ from remat.solver.baselines import (
     uniform_groups,
     uniform_plan,
 )
-from remat.solver.dp import min_peak_bytes, solve_dp
+from remat.solver.dp import solve_dp
 from remat.solver.ilp import build_cp_model, solve_ilp
+from remat.solver.min_peak import min_peak_bytes
 from remat.solver.pareto import COLUMNS, min_feasible_peak, pareto_frontier
 from remat.solver.plan import Plan
 from remat.solver.simulate import simulate

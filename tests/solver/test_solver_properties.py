@@ -30,8 +30,10 @@ from remat.solver.baselines import (
     keep_all_plan,
     uniform_plan,
 )
-from remat.solver.dp import build_model, min_peak_bytes, plan_peak_bytes, solve_dp
+from remat.solver.dp import solve_dp
+from remat.solver.events import build_model, plan_peak_bytes
 from remat.solver.ilp import solve_ilp
+from remat.solver.min_peak import min_peak_bytes
 from remat.solver.pareto import min_feasible_peak
 from remat.solver.plan import Plan
 from remat.solver.profile import Profile
@@ -185,8 +187,7 @@ def test_dp_and_ilp_agree_beyond_brute_force(profile: Profile, frac: float) -> N
 def _unpruned_optimum_ms(profile: Profile, budget: int) -> float:
     """The plain Pareto DP (need-to-go only, no upper bound, no beam): exact but slow."""
     model = build_model(profile)
-    ng = dp_module.need_to_go(model, model.seg_need)
-    solver = dp_module._Solver(model, budget, ng, dp_module._TimeBound(model, budget))
+    solver = dp_module._Solver(model, budget, dp_module._TimeBound(model, budget))
     solver.run()
     best = solver.best_end()
     assert best is not None
@@ -225,8 +226,7 @@ def test_the_beam_pass_always_ends_with_a_plan(profile: Profile, frac: float) ->
     lo = min_peak_bytes(profile)
     budget = lo + int(frac**3 * (keep_peak(profile) - lo))
     model = build_model(profile)
-    ng = dp_module.need_to_go(model, model.seg_need)
-    beam = dp_module._Solver(model, budget, ng, dp_module._TimeBound(model, budget), beam=1)
+    beam = dp_module._Solver(model, budget, dp_module._TimeBound(model, budget), beam=1)
     beam.run()
     assert beam.best_end() is not None
     assert solve_dp(profile, budget).predicted_time_ms == pytest.approx(

@@ -21,8 +21,9 @@ from solver_testlib import CKPT, KEEP, SEL, brute_force, brute_min_peak, cost, u
 
 from remat.errors import InfeasibleBudgetError
 from remat.solver.baselines import chen_plan, uniform_plan
-from remat.solver.dp import min_peak_bytes, solve_dp
+from remat.solver.dp import solve_dp
 from remat.solver.ilp import solve_ilp
+from remat.solver.min_peak import min_peak_bytes
 from remat.solver.plan import Plan
 from remat.solver.profile import OutsideCost, Profile
 from remat.solver.simulate import simulate

@@ -1,0 +1,477 @@
+"""The event model: a profile reduced to per-unit moves, so a plan's peak is a sum per unit.
+
+``simulate()`` replays a step event by event and stays the specification; this
+module derives the same peaks in a form a search can use. The DP
+(:mod:`remat.solver.dp`), the CP-SAT model (:mod:`remat.solver.ilp`) and the
+baselines (:mod:`remat.solver.baselines`) all rest on it, and it is tested
+against ``simulate()`` plan by plan.
+
+Every event's live bytes split into
+
+* a plan-independent part (fixed bytes, the prefix's held bytes, gradients that
+  exist at that point of the backward pass, ...),
+* ``A_i``: what the units *before* unit ``i`` hold after the forward pass -- their
+  ``held_bytes`` plus every boundary storage ``b_k`` (``k < i``) somebody holds,
+* local terms that depend only on unit ``i``'s option and on whether its left
+  neighbour holds their shared boundary (``holds_output`` of unit ``i-1``).
+
+So the plan's peak is ``max(floor, max over events e of A_{i(e)} + need_e)`` and a
+left-to-right pass over the units sees each event exactly once. On a chain unit
+``i`` with option ``o`` after a left neighbour whose ``holds_output`` is ``p``::
+
+    H        = p or o.holds_input                       # boundary b_i held?
+    forward  : A_i + in_i + o.fwd_peak + C
+    backward : A_i + o.held + H*in_i + o.holds_output*out_i + o.bwd_peak + D_i
+    A_{i+1}  = A_i + o.held + H*in_i,   next p = o.holds_output
+
+with ``C`` = fixed + prefix held bytes and ``D_i`` = ``C`` + the loss + the gradients alive at
+unit ``i``'s backward (suffix and later units' parameter gradients, and the
+gradient of unit ``i``'s output). A multi-unit segment ``a..b`` is one move from
+``A_a`` to ``A_{b+1} = A_a + ckpt.held_a + in_a`` (only its first input is held,
+next ``p`` = 0) whose forward, recompute and backward events are
+``A_a + (constant of a and b)``; :func:`build_model` derives those constants with
+prefix sums. Off a chain every unit's input and output are boundaries of their own,
+``p`` is always 0 and segments do not exist.
+
+Need-to-go
+----------
+Computed right to left, ``need[i, p]`` is the least headroom above ``A_i`` that
+any completion from state ``(i, p)`` needs: the DP prunes with it exactly, and
+``need[0, start_flag]`` is the smallest peak any plan reaches, the floor aside
+(:mod:`remat.solver.min_peak`).
+
+A profile's model is built once and cached on the (frozen) profile:
+:func:`step_model`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from remat.solver.profile import OPTION_ORDER, Option, Profile
+
+__all__ = [
+    "UNREACHABLE",
+    "Move",
+    "StepModel",
+    "build_model",
+    "keep_all_peak_bytes",
+    "need_to_go",
+    "plan_peak_bytes",
+    "step_model",
+]
+
+# Larger than any real byte count (profile fields are at most MAX_BYTES = 2**50), small
+# enough that adding two never overflows int64.
+UNREACHABLE = np.int64(2**60)
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+# Where step_model() keeps a profile's model: an attribute no dataclass field uses.
+_CACHE_ATTRIBUTE = "_remat_step_model"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One unit run with one option, entered with left flag ``in_flag``.
+
+    Attributes:
+        option: the option.
+        in_flag: 1 when the left neighbour holds the shared boundary (chain only).
+        inc_bytes: what the move adds to ``A`` (held bytes and held boundaries).
+        need_bytes: its highest event minus ``A_i`` (absolute bytes, constants included).
+        out_flag: 1 when the option holds its output boundary (chain only).
+        extra_ms: the option's added step time, in milliseconds.
+    """
+
+    option: Option
+    in_flag: int
+    inc_bytes: int
+    need_bytes: int
+    out_flag: int
+    extra_ms: float
+
+
+@dataclass(frozen=True, eq=False)
+class StepModel:
+    """A profile reduced to the event model's terms (see the module docstring).
+
+    Compared by identity (it holds numpy tables); build it with :func:`step_model`.
+
+    Attributes:
+        n: number of units.
+        chain: whether multi-unit segments exist.
+        floor_bytes: the highest plan-independent event (prefix, end of backward,
+            optimizer step), absolute bytes.
+        start_flag: the flag entering unit 0 (the prefix holds unit 0's input).
+        moves: per unit, its single-unit moves.
+        end_need: per flag after the last unit, the suffix's events minus ``A_n``.
+        const_bytes: ``C`` = fixed bytes + prefix held bytes.
+        bwd_const: per unit ``i``, ``D_i``.
+        seg_last: per unit ``a``, the last unit a segment starting at ``a`` may reach
+            (``a`` itself when no segment starts there).
+        seg_inc: per unit ``a``, ``ckpt.held_a + in_a``: what a segment adds to ``A``.
+        seg_rec_need, seg_bwd_need: ``[a, b]`` the highest recompute and backward
+            event of segment ``a..b`` minus ``A_a`` (:data:`UNREACHABLE` where there
+            is no such segment); the CP-SAT model constrains them one by one.
+        seg_need: ``[a, b]`` the highest event of segment ``a..b`` minus ``A_a``.
+        seg_mono_need: ``[a, b]`` a lower bound of ``seg_need`` that never decreases
+            in ``b`` (a longer segment recomputes with fewer gradients alive, so the
+            recompute events alone may decrease).
+        ckpt_cum_ms: ``[i]`` the summed checkpoint ``extra_ms`` of units ``< i``.
+        need: ``[i, p]`` the need-to-go table (:func:`need_to_go`).
+        keep_is_fastest: every unit's ``keep`` costs no more time than any of its
+            options, so keeping everything is a fastest plan.
+    """
+
+    n: int
+    chain: bool
+    floor_bytes: int
+    start_flag: int
+    moves: tuple[tuple[Move, ...], ...]
+    end_need: tuple[int, int]
+    const_bytes: int
+    bwd_const: tuple[int, ...]
+    seg_last: IntArray
+    seg_inc: IntArray
+    seg_rec_need: IntArray
+    seg_bwd_need: IntArray
+    seg_need: IntArray
+    seg_mono_need: IntArray
+    ckpt_cum_ms: FloatArray
+    need: IntArray
+    keep_is_fastest: bool
+
+
+def step_model(profile: Profile) -> StepModel:
+    """``profile``'s event model, built on first use and kept on the profile.
+
+    Profiles are frozen, so the model stays valid for the profile's lifetime; every
+    solve, frontier point and baseline on the same profile reuses it.
+    """
+    model = profile.__dict__.get(_CACHE_ATTRIBUTE)
+    if model is None:
+        model = build_model(profile)
+        # A frozen dataclass refuses setattr; its __dict__ is where a cache may live.
+        profile.__dict__[_CACHE_ATTRIBUTE] = model
+    return model
+
+
+# ---------------------------------------------------------------------------------
+# Building the model
+# ---------------------------------------------------------------------------------
+def _bwd_constants(profile: Profile, const_bytes: int) -> tuple[int, ...]:
+    """``D_i``: ``C`` + gradient bytes alive during unit i's backward event."""
+    units = profile.units
+    n = len(units)
+    later_pgrad = 0
+    out: list[int] = [0] * n
+    for i in range(n - 1, -1, -1):
+        if profile.is_chain and i < n - 1:
+            grad_out = units[i + 1].input_grad_bytes
+        else:
+            grad_out = units[i].output_bytes
+        out[i] = (
+            const_bytes
+            + profile.loss_bytes
+            + profile.suffix.param_grad_bytes
+            + later_pgrad
+            + grad_out
+        )
+        later_pgrad += units[i].param_grad_bytes
+    return tuple(out)
+
+
+def _floor_bytes(profile: Profile) -> int:
+    """The highest event whose bytes no plan changes: prefix, end of backward, optimizer."""
+    fixed = profile.fixed_bytes
+    first = profile.units[0]
+    unit_pgrad = sum(u.param_grad_bytes for u in profile.units)
+    prefix_bwd = (
+        fixed
+        + profile.prefix.held_bytes
+        + profile.suffix.param_grad_bytes
+        + unit_pgrad
+        + profile.prefix.bwd_peak_bytes
+        + profile.loss_bytes
+    )
+    if profile.is_chain:
+        # The prefix's hold on unit 0's input outlives unit 0, and so does its gradient.
+        prefix_bwd += first.input_grad_bytes
+        prefix_bwd += first.input_bytes if first.input_held_outside else 0
+    end = fixed + profile.grad_bytes + profile.loss_bytes
+    return max(
+        fixed + profile.prefix.fwd_peak_bytes,
+        prefix_bwd,
+        end,
+        end + profile.optimizer_step_peak_bytes,
+    )
+
+
+def _chain_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
+    """Unit i's moves on a chain, for both left flags."""
+    unit = profile.units[i]
+    moves = []
+    for option in OPTION_ORDER:
+        o = unit.options.get(option)
+        if o is None:
+            continue
+        fwd = c + unit.input_bytes + o.fwd_peak_bytes
+        for p in (0, 1):
+            held_in = unit.input_bytes if (p or o.holds_input) else 0
+            bwd = (
+                o.held_bytes
+                + held_in
+                + (unit.output_bytes if o.holds_output else 0)
+                + o.bwd_peak_bytes
+                + d
+            )
+            moves.append(
+                Move(option, p, o.held_bytes + held_in, max(fwd, bwd), int(o.holds_output),
+                     o.extra_ms)
+            )
+    return tuple(moves)
+
+
+def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
+    """Unit i's moves off a chain: its input and output are its own boundaries."""
+    unit = profile.units[i]
+    moves = []
+    for option in OPTION_ORDER:
+        o = unit.options.get(option)
+        if o is None:
+            continue
+        held_in = unit.input_bytes if (o.holds_input or unit.input_held_outside) else 0
+        held_out = unit.output_bytes if (o.holds_output or unit.output_held_outside) else 0
+        fwd = c + unit.input_bytes + o.fwd_peak_bytes
+        # The outside's hold on the output ends before the unit's backward starts.
+        bwd = (
+            o.held_bytes
+            + held_in
+            + (unit.output_bytes if o.holds_output else 0)
+            + o.bwd_peak_bytes
+            + d
+        )
+        moves.append(Move(option, 0, o.held_bytes + held_in + held_out, max(fwd, bwd), 0,
+                          o.extra_ms))
+    return tuple(moves)
+
+
+def _end_need(profile: Profile, c: int) -> tuple[int, int]:
+    """The suffix's forward / backward events minus ``A_n``, per flag of the last unit."""
+    s = profile.suffix
+    if not profile.is_chain:
+        need = c + max(s.fwd_peak_bytes, s.held_bytes + s.bwd_peak_bytes)
+        return (need, need)
+    last = profile.units[-1]
+    out = last.output_bytes
+    needs = []
+    for q in (0, 1):
+        held = out if (q or last.output_held_outside) else 0
+        needs.append(c + max(out + s.fwd_peak_bytes, held + s.held_bytes + s.bwd_peak_bytes))
+    return (needs[0], needs[1])
+
+
+def _segment_runs(profile: Profile) -> IntArray:
+    """Per unit a, the last unit b such that units a..b all offer ``checkpoint``."""
+    n = profile.n
+    last = np.arange(n, dtype=np.int64)
+    if not profile.is_chain:
+        return last
+    offers = [Option.CHECKPOINT in u.options for u in profile.units]
+    for a in range(n - 2, -1, -1):
+        if offers[a] and offers[a + 1]:
+            last[a] = last[a + 1]
+    return last
+
+
+def _segment_needs(
+    profile: Profile, c: int, d: tuple[int, ...], seg_last: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """``[a, b]`` forward / recompute / backward peaks of segment a..b minus ``A_a``.
+
+    With ``kh`` keep held bytes, ``RH_m`` = "recomputed boundary m is held" and
+    ``Kpre(a, k)`` = keep bytes held by units a..k-1 and their held recomputed
+    boundaries, the events of segment a..b are (see simulate's _backward_segment)::
+
+        forward k   : C + in_a + ckpt.fwd_a              (k = a)
+                      c_a + C + in_k + ckpt.fwd_k        (k > a)
+        recompute k : c_a + D_b + Kpre(a, k) + [k>a]*in_k + keep.fwd_k
+        backward k  : c_a + D_k + Kpre(a, k) + kh_k + [k>a]*RH_k*in_k
+                      + keep.holds_output_k*out_k + keep.bwd_k
+
+    with ``c_a = ckpt.held_a + in_a``. Prefix sums make ``Kpre`` O(1), running
+    maxima over k make each row one pass.
+    """
+    units = profile.units
+    n = len(units)
+    shape = (n, n)
+    fwd_need = np.full(shape, UNREACHABLE, dtype=np.int64)
+    rec_need = np.full(shape, UNREACHABLE, dtype=np.int64)
+    bwd_need = np.full(shape, UNREACHABLE, dtype=np.int64)
+    if not profile.is_chain or n < 2 or not np.any(seg_last > np.arange(n)):
+        return fwd_need, rec_need, bwd_need
+
+    keep = [u.keep for u in units]
+    in_b = np.array([u.input_bytes for u in units], dtype=np.int64)
+    out_b = np.array([u.output_bytes for u in units], dtype=np.int64)
+    kh = np.array([k.held_bytes for k in keep], dtype=np.int64)
+    kfwd = np.array([k.fwd_peak_bytes for k in keep], dtype=np.int64)
+    kbwd = np.array([k.bwd_peak_bytes for k in keep], dtype=np.int64)
+    khout = np.array([k.holds_output for k in keep], dtype=bool)
+    khin = np.array([k.holds_input for k in keep], dtype=bool)
+    dv = np.array(d, dtype=np.int64)
+    rh = np.zeros(n, dtype=np.int64)  # RH_m * in_m for m >= 1
+    rh[1:] = np.where(khout[:-1] | khin[1:], in_b[1:], 0)
+    kh_cum = np.concatenate(([0], np.cumsum(kh)))
+    rh_cum = np.concatenate(([0], np.cumsum(rh)))
+
+    # Per-k terms, so that an event of segment a..b is (a's constant) + (k's term).
+    f_k = c + in_b + _ckpt_array(profile, "fwd_peak_bytes")  # a member's forward
+    r_k = kh_cum[:-1] + rh_cum[:-1] + in_b + kfwd
+    s_k = dv + kh_cum[1:] + rh_cum[1:] + np.where(khout, out_b, 0) + kbwd
+    ck_held = _ckpt_array(profile, "held_bytes")
+    ck_fwd = _ckpt_array(profile, "fwd_peak_bytes")
+    for a in range(n - 1):
+        last = int(seg_last[a])
+        if last <= a:
+            continue
+        ks = slice(a + 1, last + 1)
+        c_a = int(ck_held[a] + in_b[a])
+        q_a = int(kh_cum[a] + rh_cum[a + 1])
+        fwd_first = c + int(in_b[a]) + int(ck_fwd[a])
+        fwd_need[a, ks] = np.maximum(fwd_first, c_a + np.maximum.accumulate(f_k[ks]))
+        rec_inner = np.maximum(int(kfwd[a]), np.maximum.accumulate(r_k[ks]) - q_a)
+        rec_need[a, ks] = c_a + dv[ks] + rec_inner
+        bwd_first = c_a + int(dv[a] + kh[a] + (out_b[a] if khout[a] else 0) + kbwd[a])
+        bwd_need[a, ks] = np.maximum(bwd_first, c_a - q_a + np.maximum.accumulate(s_k[ks]))
+    return fwd_need, rec_need, bwd_need
+
+
+def _ckpt_array(profile: Profile, field_name: str) -> IntArray:
+    """A checkpoint cost field per unit (0 where a unit has no checkpoint option)."""
+    return np.array(
+        [
+            getattr(u.options[Option.CHECKPOINT], field_name)
+            if Option.CHECKPOINT in u.options
+            else 0
+            for u in profile.units
+        ],
+        dtype=np.int64,
+    )
+
+
+def build_model(profile: Profile) -> StepModel:
+    """Reduce ``profile`` to per-unit moves and segment tables (uncached: see step_model)."""
+    c = profile.fixed_bytes + profile.prefix.held_bytes
+    d = _bwd_constants(profile, c)
+    make_moves = _chain_moves if profile.is_chain else _free_moves
+    moves = tuple(make_moves(profile, i, c, d[i]) for i in range(profile.n))
+    seg_last = _segment_runs(profile)
+    fwd_need, rec_need, bwd_need = _segment_needs(profile, c, d, seg_last)
+    ck_ms = [
+        u.options[Option.CHECKPOINT].extra_ms if Option.CHECKPOINT in u.options else 0.0
+        for u in profile.units
+    ]
+    in_b = np.array([u.input_bytes for u in profile.units], dtype=np.int64)
+    seg_inc = _ckpt_array(profile, "held_bytes") + in_b
+    seg_need = np.maximum(np.maximum(fwd_need, rec_need), bwd_need)
+    # A longer segment recomputes with other gradients alive (D_b is not monotone in b);
+    # the smallest D_b' over b' >= b bounds every longer segment's recompute from below.
+    d_arr = np.array(d, dtype=np.int64)
+    d_min_after = np.minimum.accumulate(d_arr[::-1])[::-1]
+    rec_floor = np.where(rec_need >= UNREACHABLE, UNREACHABLE, rec_need - d_arr + d_min_after)
+    seg_mono = np.maximum(np.maximum(fwd_need, bwd_need), rec_floor)
+    end_need = _end_need(profile, c)
+    return StepModel(
+        n=profile.n,
+        chain=profile.is_chain,
+        floor_bytes=_floor_bytes(profile),
+        start_flag=int(profile.is_chain and profile.units[0].input_held_outside),
+        moves=moves,
+        end_need=end_need,
+        const_bytes=c,
+        bwd_const=d,
+        seg_last=seg_last,
+        seg_inc=seg_inc,
+        seg_rec_need=rec_need,
+        seg_bwd_need=bwd_need,
+        seg_need=seg_need,
+        seg_mono_need=seg_mono,
+        ckpt_cum_ms=np.concatenate(([0.0], np.cumsum(ck_ms))),
+        need=need_to_go(moves, end_need, seg_last, seg_need, seg_inc),
+        keep_is_fastest=all(
+            u.keep.extra_ms <= min(o.extra_ms for o in u.options.values())
+            for u in profile.units
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Need-to-go: the least headroom above A_i that any completion needs
+# ---------------------------------------------------------------------------------
+def need_to_go(
+    moves: Sequence[Sequence[Move]],
+    end_need: tuple[int, int],
+    seg_last: IntArray,
+    seg_need: IntArray,
+    seg_inc: IntArray,
+) -> IntArray:
+    """``[i, p]``: min over completions from state (i, p) of (their highest event - A_i).
+
+    ``[0, start_flag]`` is the smallest peak any plan reaches, the floor aside. Read
+    it as ``StepModel.need``: :func:`build_model` computes it once.
+    """
+    n = len(moves)
+    ng = np.full((n + 1, 2), UNREACHABLE, dtype=np.int64)
+    ng[n] = end_need
+    for i in range(n - 1, -1, -1):
+        for mv in moves[i]:
+            via = max(mv.need_bytes, mv.inc_bytes + int(ng[i + 1, mv.out_flag]))
+            ng[i, mv.in_flag] = min(ng[i, mv.in_flag], via)
+        last = int(seg_last[i])
+        if last > i:
+            # Segment i..b lands in state (b+1, 0) whatever flag it was entered with.
+            bs = slice(i + 1, last + 1)
+            via = np.maximum(seg_need[i, bs], seg_inc[i] + ng[i + 2 : last + 2, 0])
+            best = np.int64(via.min())
+            ng[i] = np.minimum(ng[i], best)
+    return np.minimum(ng, UNREACHABLE)
+
+
+# ---------------------------------------------------------------------------------
+# Scoring a plan
+# ---------------------------------------------------------------------------------
+def plan_peak_bytes(
+    model: StepModel, options: Sequence[str], segments: Sequence[tuple[int, int]] = ()
+) -> int:
+    """The peak of a plan by the event model: ``simulate()``'s figure, in O(n).
+
+    For heuristics that score many candidate plans; a chosen plan is still
+    re-scored with ``simulate()``.
+    """
+    starts = {a: b for a, b in segments}
+    peak = model.floor_bytes
+    held, flag, i = 0, model.start_flag, 0
+    while i < model.n:
+        if i in starts:
+            b = starts[i]
+            peak = max(peak, held + int(model.seg_need[i, b]))
+            held += int(model.seg_inc[i])
+            flag, i = 0, b + 1
+            continue
+        mv = next(m for m in model.moves[i] if m.option == options[i] and m.in_flag == flag)
+        peak = max(peak, held + mv.need_bytes)
+        held += mv.inc_bytes
+        flag, i = mv.out_flag, i + 1
+    return max(peak, held + model.end_need[flag])
+
+
+def keep_all_peak_bytes(model: StepModel) -> int:
+    """The peak of keeping everything (no checkpointing), by the event model."""
+    return plan_peak_bytes(model, [Option.KEEP] * model.n)

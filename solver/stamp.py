@@ -1,0 +1,69 @@
+"""Stamping a solved plan with ``simulate()``'s figures, and checking that it fits.
+
+Every algorithm (DP, CP-SAT, the baselines) ends here, so a plan's
+``predicted_peak_bytes`` and ``predicted_time_ms`` are always the specification's,
+never a search's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import time
+
+from remat.solver.events import keep_all_peak_bytes, step_model
+from remat.solver.plan import Plan, Status
+from remat.solver.profile import Profile
+from remat.solver.simulate import simulate
+
+__all__ = ["keep_all_when_it_fits", "stamp_plan"]
+
+
+def stamp_plan(
+    profile: Profile,
+    plan: Plan,
+    *,
+    algorithm: str,
+    status: str,
+    budget: int | None,
+    start: float,
+) -> Plan:
+    """``plan`` with ``simulate()``'s peak and time and what produced it.
+
+    ``start`` is the ``time.perf_counter()`` at which the algorithm started. Every
+    algorithm chooses plans by the event model, which must agree with ``simulate()``:
+    a plan that peaks above ``budget`` is a bug, not a user error, and raises
+    ``AssertionError``.
+    """
+    sim = simulate(profile, plan)
+    if budget is not None and sim.peak_bytes > budget:
+        raise AssertionError(
+            f"{algorithm} plan peaks at {sim.peak_bytes} B under simulate(), above the "
+            f"budget {budget} B: the event model and simulate() disagree"
+        )
+    return plan.with_(
+        algorithm=algorithm,
+        status=status,
+        solve_ms=(time.perf_counter() - start) * 1e3,
+        budget_bytes=budget,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_time_ms=sim.time_ms,
+        fingerprint=profile.fingerprint(),
+        unit_types=tuple(u.type_name for u in profile.units),
+        device=profile.device.split(":")[0],
+    )
+
+
+def keep_all_when_it_fits(
+    profile: Profile, budget: int | None, *, algorithm: str, start: float
+) -> Plan | None:
+    """The no-checkpoint plan, stamped optimal, when ``budget`` allows it; else ``None``.
+
+    Keeping everything is a fastest plan (every option's ``extra_ms`` is measured
+    against keep's 0), so at a budget of at least its peak, or with no budget, it
+    is the optimum. Exact solvers return it without searching, so no arithmetic of
+    theirs ever sees a huge budget. The plan keeps the budget as given.
+    """
+    if budget is not None and budget < keep_all_peak_bytes(step_model(profile)):
+        return None
+    plan = Plan.keep_all([u.name for u in profile.units])
+    return stamp_plan(profile, plan, algorithm=algorithm, status=Status.OPTIMAL, budget=budget,
+                      start=start)
