@@ -100,9 +100,9 @@ def _candidate(
     profile: Profile, model: StepModel, groups: Iterable[range], label: str
 ) -> _Candidate:
     options, segments = groups_to_options(profile, groups)
-    time_ms = profile.step_ms + sum(
+    time_ms = profile.step_time_ms(sum(
         profile.units[i].options[o].extra_ms for i, o in enumerate(options)
-    )
+    ))
     return _Candidate(options, segments, plan_peak_bytes(model, options, segments), time_ms,
                       label)
 
@@ -190,7 +190,8 @@ def checkpoint_all_plan(profile: Profile, budget_bytes: int | None = None) -> Pl
         for u in profile.units
     )
     peak = plan_peak_bytes(model, options)
-    ms = profile.step_ms + sum(u.options[o].extra_ms for u, o in zip(profile.units, options))
+    ms = profile.step_time_ms(sum(u.options[o].extra_ms
+                                  for u, o in zip(profile.units, options)))
     candidate = _Candidate(options, (), peak, ms, "all")
     return _pick(profile, [candidate], budget_bytes, "all", start)
 

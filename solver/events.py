@@ -20,13 +20,17 @@ left-to-right pass over the units sees each event exactly once. On a chain unit
 ``i`` with option ``o`` after a left neighbour whose ``holds_output`` is ``p``::
 
     H        = p or o.holds_input                       # boundary b_i held?
-    forward  : A_i + in_i + o.fwd_peak + C
+    forward  : A_i + in_i + o.fwd_peak + C_i
     backward : A_i + o.held + H*in_i + o.holds_output*out_i + o.bwd_peak + D_i
     A_{i+1}  = A_i + o.held + H*in_i,   next p = o.holds_output
 
-with ``C`` = fixed + prefix held bytes and ``D_i`` = ``C`` + the loss + the gradients alive at
-unit ``i``'s backward (suffix and later units' parameter gradients, and the
-gradient of unit ``i``'s output). A multi-unit segment ``a..b`` is one move from
+with ``C_i`` = fixed + prefix held bytes + what the loop carries and keeps alive
+(the previous output and loss, gradients it accumulates) + earlier units'
+autocast casts + the shared tensors born by then, and ``D_i`` = fixed + prefix
+held bytes + the loss and the kept output + the shared tensors still alive + the
+gradients alive at unit ``i``'s backward (suffix and later units' parameter
+gradients, or all of them when the loop keeps them, and the gradient of unit
+``i``'s output). A multi-unit segment ``a..b`` is one move from
 ``A_a`` to ``A_{b+1} = A_a + ckpt.held_a + in_a`` (only its first input is held,
 next ``p`` = 0) whose forward, recompute and backward events are
 ``A_a + (constant of a and b)``; :func:`build_model` derives those constants with
@@ -111,7 +115,10 @@ class StepModel:
         start_flag: the flag entering unit 0 (the prefix holds unit 0's input).
         moves: per unit, its single-unit moves.
         end_need: per flag after the last unit, the suffix's events minus ``A_n``.
-        const_bytes: ``C`` = fixed bytes + prefix held bytes.
+        fwd_const: per unit ``i`` (and ``n``, the suffix), ``C_i``: what no plan
+            changes at its forward (fixed and prefix bytes, what the loop carries and
+            keeps, earlier autocast casts, shared tensors born).
+        suffix_bwd_const: the same at the suffix's backward.
         bwd_const: per unit ``i``, ``D_i``.
         seg_last: per unit ``a``, the last unit a segment starting at ``a`` may reach
             (``a`` itself when no segment starts there).
@@ -135,7 +142,8 @@ class StepModel:
     start_flag: int
     moves: tuple[tuple[Move, ...], ...]
     end_need: tuple[int, int]
-    const_bytes: int
+    fwd_const: tuple[int, ...]
+    suffix_bwd_const: int
     bwd_const: tuple[int, ...]
     seg_last: IntArray
     seg_inc: IntArray
@@ -165,25 +173,65 @@ def step_model(profile: Profile) -> StepModel:
 # ---------------------------------------------------------------------------------
 # Building the model
 # ---------------------------------------------------------------------------------
-def _bwd_constants(profile: Profile, const_bytes: int) -> tuple[int, ...]:
-    """``D_i``: ``C`` + gradient bytes alive during unit i's backward event."""
+def _param_grads_at_start(profile: Profile) -> int:
+    return profile.grad_bytes if profile.grads_alive_at_start else 0
+
+
+def _fwd_constants(profile: Profile) -> tuple[int, ...]:
+    """``C_i`` for i in 0..n: what no plan changes at unit i's forward (``i = n``: the
+    suffix's): fixed and prefix bytes, what the loop carries from the previous
+    iteration, gradients it keeps, earlier units' autocast casts, shared tensors born."""
+    born = [0] * (profile.n + 1)  # shared bytes first alive at unit i's forward
+    for t in profile.shared:
+        born[t.born_after + 1] += t.nbytes
+    c = (profile.fixed_bytes + profile.prefix.held_bytes + profile.carried_bytes
+         + _param_grads_at_start(profile))
+    out = []
+    for i in range(profile.n + 1):
+        c += born[i]
+        out.append(c)
+        if i < profile.n:
+            c += profile.units[i].autocast_cache_bytes
+    return tuple(out)
+
+
+def _shared_alive_in_backward(profile: Profile) -> tuple[int, ...]:
+    """Per unit i, the shared bytes still alive at its backward (freed after the
+    backward of a unit ``<= i`` or at the end), and at index n those alive to the end."""
+    n = profile.n
+    alive = [0] * (n + 1)
+    for t, released in zip(profile.shared, profile.shared_released_after()):
+        for i in range(n + 1):
+            if released is None or (i < n and released <= i):
+                alive[i] += t.nbytes
+    return tuple(alive)
+
+
+def _suffix_bwd_const(profile: Profile) -> int:
+    """What no plan changes at the suffix's backward (the loss is not made yet)."""
+    return (profile.fixed_bytes + profile.prefix.held_bytes + profile.output_bytes
+            + _param_grads_at_start(profile) + sum(t.nbytes for t in profile.shared))
+
+
+def _bwd_constants(profile: Profile) -> tuple[int, ...]:
+    """``D_i``: the fixed and prefix bytes, the loss and the kept output, the shared
+    tensors still alive and the gradient bytes alive during unit i's backward event."""
     units = profile.units
     n = len(units)
-    later_pgrad = 0
+    shared = _shared_alive_in_backward(profile)
+    base = profile.fixed_bytes + profile.prefix.held_bytes + profile.loss_bytes
+    base += profile.output_bytes
+    at_start = profile.grads_alive_at_start
+    later_pgrad = profile.grad_bytes if at_start else profile.suffix.param_grad_bytes
     out: list[int] = [0] * n
     for i in range(n - 1, -1, -1):
         if profile.is_chain and i < n - 1:
             grad_out = units[i + 1].input_grad_bytes
         else:
             grad_out = units[i].output_bytes
-        out[i] = (
-            const_bytes
-            + profile.loss_bytes
-            + profile.suffix.param_grad_bytes
-            + later_pgrad
-            + grad_out
-        )
-        later_pgrad += units[i].param_grad_bytes
+        out[i] = base + later_pgrad + grad_out + shared[i]
+        if not at_start:
+            later_pgrad += units[i].param_grad_bytes
     return tuple(out)
 
 
@@ -191,26 +239,25 @@ def _floor_bytes(profile: Profile) -> int:
     """The highest event whose bytes no plan changes: prefix, end of backward, optimizer."""
     fixed = profile.fixed_bytes
     first = profile.units[0]
-    unit_pgrad = sum(u.param_grad_bytes for u in profile.units)
+    at_start = profile.grads_alive_at_start
+    to_end = _shared_alive_in_backward(profile)[profile.n]
+    kept = profile.loss_bytes + profile.output_bytes + to_end
+    grads_then = profile.grad_bytes - (0 if at_start else profile.prefix.param_grad_bytes)
     prefix_bwd = (
         fixed
         + profile.prefix.held_bytes
-        + profile.suffix.param_grad_bytes
-        + unit_pgrad
+        + grads_then
         + profile.prefix.bwd_peak_bytes
-        + profile.loss_bytes
+        + kept
     )
     if profile.is_chain:
         # The prefix's hold on unit 0's input outlives unit 0, and so does its gradient.
         prefix_bwd += first.input_grad_bytes
         prefix_bwd += first.input_bytes if first.input_held_outside else 0
-    end = fixed + profile.grad_bytes + profile.loss_bytes
-    return max(
-        fixed + profile.prefix.fwd_peak_bytes,
-        prefix_bwd,
-        end,
-        end + profile.optimizer_step_peak_bytes,
-    )
+    end = fixed + profile.grad_bytes + kept
+    prefix_fwd = (fixed + profile.carried_bytes + _param_grads_at_start(profile)
+                  + profile.prefix.fwd_peak_bytes)
+    return max(prefix_fwd, prefix_bwd, end, end + profile.optimizer_step_peak_bytes)
 
 
 def _chain_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
@@ -262,18 +309,19 @@ def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
     return tuple(moves)
 
 
-def _end_need(profile: Profile, c: int) -> tuple[int, int]:
+def _end_need(profile: Profile, c_fwd: int, c_bwd: int) -> tuple[int, int]:
     """The suffix's forward / backward events minus ``A_n``, per flag of the last unit."""
     s = profile.suffix
     if not profile.is_chain:
-        need = c + max(s.fwd_peak_bytes, s.held_bytes + s.bwd_peak_bytes)
+        need = max(c_fwd + s.fwd_peak_bytes, c_bwd + s.held_bytes + s.bwd_peak_bytes)
         return (need, need)
     last = profile.units[-1]
     out = last.output_bytes
     needs = []
     for q in (0, 1):
         held = out if (q or last.output_held_outside) else 0
-        needs.append(c + max(out + s.fwd_peak_bytes, held + s.held_bytes + s.bwd_peak_bytes))
+        needs.append(max(c_fwd + out + s.fwd_peak_bytes,
+                         c_bwd + held + s.held_bytes + s.bwd_peak_bytes))
     return (needs[0], needs[1])
 
 
@@ -291,7 +339,7 @@ def _segment_runs(profile: Profile) -> IntArray:
 
 
 def _segment_needs(
-    profile: Profile, c: int, d: tuple[int, ...], seg_last: IntArray
+    profile: Profile, c: tuple[int, ...], d: tuple[int, ...], seg_last: IntArray
 ) -> tuple[IntArray, IntArray, IntArray]:
     """``[a, b]`` forward / recompute / backward peaks of segment a..b minus ``A_a``.
 
@@ -299,8 +347,8 @@ def _segment_needs(
     ``Kpre(a, k)`` = keep bytes held by units a..k-1 and their held recomputed
     boundaries, the events of segment a..b are (see simulate's _backward_segment)::
 
-        forward k   : C + in_a + ckpt.fwd_a              (k = a)
-                      c_a + C + in_k + ckpt.fwd_k        (k > a)
+        forward k   : C_a + in_a + ckpt.fwd_a            (k = a)
+                      c_a + C_k + in_k + ckpt.fwd_k      (k > a)
         recompute k : c_a + D_b + Kpre(a, k) + [k>a]*in_k + keep.fwd_k
         backward k  : c_a + D_k + Kpre(a, k) + kh_k + [k>a]*RH_k*in_k
                       + keep.holds_output_k*out_k + keep.bwd_k
@@ -332,7 +380,8 @@ def _segment_needs(
     rh_cum = np.concatenate(([0], np.cumsum(rh)))
 
     # Per-k terms, so that an event of segment a..b is (a's constant) + (k's term).
-    f_k = c + in_b + _ckpt_array(profile, "fwd_peak_bytes")  # a member's forward
+    cv = np.array(c[:n], dtype=np.int64)
+    f_k = cv + in_b + _ckpt_array(profile, "fwd_peak_bytes")  # a member's forward
     r_k = kh_cum[:-1] + rh_cum[:-1] + in_b + kfwd
     s_k = dv + kh_cum[1:] + rh_cum[1:] + np.where(khout, out_b, 0) + kbwd
     ck_held = _ckpt_array(profile, "held_bytes")
@@ -344,7 +393,7 @@ def _segment_needs(
         ks = slice(a + 1, last + 1)
         c_a = int(ck_held[a] + in_b[a])
         q_a = int(kh_cum[a] + rh_cum[a + 1])
-        fwd_first = c + int(in_b[a]) + int(ck_fwd[a])
+        fwd_first = int(cv[a]) + int(in_b[a]) + int(ck_fwd[a])
         fwd_need[a, ks] = np.maximum(fwd_first, c_a + np.maximum.accumulate(f_k[ks]))
         rec_inner = np.maximum(int(kfwd[a]), np.maximum.accumulate(r_k[ks]) - q_a)
         rec_need[a, ks] = c_a + dv[ks] + rec_inner
@@ -368,10 +417,10 @@ def _ckpt_array(profile: Profile, field_name: str) -> IntArray:
 
 def build_model(profile: Profile) -> StepModel:
     """Reduce ``profile`` to per-unit moves and segment tables (uncached: see step_model)."""
-    c = profile.fixed_bytes + profile.prefix.held_bytes
-    d = _bwd_constants(profile, c)
+    c = _fwd_constants(profile)
+    d = _bwd_constants(profile)
     make_moves = _chain_moves if profile.is_chain else _free_moves
-    moves = tuple(make_moves(profile, i, c, d[i]) for i in range(profile.n))
+    moves = tuple(make_moves(profile, i, c[i], d[i]) for i in range(profile.n))
     seg_last = _segment_runs(profile)
     fwd_need, rec_need, bwd_need = _segment_needs(profile, c, d, seg_last)
     ck_ms = [
@@ -387,7 +436,8 @@ def build_model(profile: Profile) -> StepModel:
     d_min_after = np.minimum.accumulate(d_arr[::-1])[::-1]
     rec_floor = np.where(rec_need >= UNREACHABLE, UNREACHABLE, rec_need - d_arr + d_min_after)
     seg_mono = np.maximum(np.maximum(fwd_need, bwd_need), rec_floor)
-    end_need = _end_need(profile, c)
+    suffix_bwd = _suffix_bwd_const(profile)
+    end_need = _end_need(profile, c[profile.n], suffix_bwd)
     return StepModel(
         n=profile.n,
         chain=profile.is_chain,
@@ -395,7 +445,8 @@ def build_model(profile: Profile) -> StepModel:
         start_flag=int(profile.is_chain and profile.units[0].input_held_outside),
         moves=moves,
         end_need=end_need,
-        const_bytes=c,
+        fwd_const=c,
+        suffix_bwd_const=suffix_bwd,
         bwd_const=d,
         seg_last=seg_last,
         seg_inc=seg_inc,

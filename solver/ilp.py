@@ -220,14 +220,14 @@ def _held_recurrence(m: cp_model.CpModel, profile: Profile, v: _Vars) -> None:
 def _forward_events(
     m: cp_model.CpModel, profile: Profile, model: StepModel, v: _Vars, budget: int
 ) -> None:
-    """Unit i's forward: ``A_i + C + in_i + fwd_peak`` of its option (segment: checkpoint).
+    """Unit i's forward: ``A_i + C_i + in_i + fwd_peak`` of its option (segment: checkpoint).
 
     Exactly one of ``opt[u_i,*]`` and ``inseg[u_i]`` is 1, so the option-dependent
     term is a plain sum: one linear constraint per unit, no enforcement literal,
     which keeps CP-SAT's LP relaxation tight.
     """
-    c = model.const_bytes
     for i, unit in enumerate(profile.units):
+        c = model.fwd_const[i]
         peak = sum(cost.fwd_peak_bytes * v.opt[i, o] for o, cost in unit.options.items())
         if i in v.coverable:
             peak += unit.options[Option.CHECKPOINT].fwd_peak_bytes * v.inseg[i]
@@ -295,14 +295,15 @@ def _suffix_events(
     """The suffix's forward and backward, on top of everything the units hold."""
     s = profile.suffix
     a_n = v.held_before[profile.n]
-    c = model.const_bytes
+    c_fwd, c_bwd = model.fwd_const[profile.n], model.suffix_bwd_const
     if not profile.is_chain:
-        m.add(a_n + c + max(s.fwd_peak_bytes, s.held_bytes + s.bwd_peak_bytes) <= budget)
+        m.add(a_n + c_fwd + s.fwd_peak_bytes <= budget)
+        m.add(a_n + c_bwd + s.held_bytes + s.bwd_peak_bytes <= budget)
         return
     out = profile.units[-1].output_bytes
-    m.add(a_n + c + out + s.fwd_peak_bytes <= budget)
+    m.add(a_n + c_fwd + out + s.fwd_peak_bytes <= budget)
     held_out = out * v.held_boundary[profile.n]
-    m.add(a_n + c + held_out + s.held_bytes + s.bwd_peak_bytes <= budget)
+    m.add(a_n + c_bwd + held_out + s.held_bytes + s.bwd_peak_bytes <= budget)
 
 
 def _objective(m: cp_model.CpModel, profile: Profile, v: _Vars) -> None:
@@ -558,4 +559,4 @@ def _hint_extra_ms(profile: Profile, hint: Plan | None, budget: int) -> float:
                     peak, budget)
         return np.inf
     # Slack for float noise: the limit must never cut off the hint itself.
-    return ms - profile.step_ms + 1e-6 * (1 + abs(ms))
+    return profile.extra_ms_of(ms) + 1e-6 * (1 + abs(ms))

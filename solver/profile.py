@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from remat.errors import ProfileError
+from remat.errors import ProfileError, RematError
 from remat.solver.field_checks import (
     MAX_BYTES,
     MAX_MS,
@@ -42,6 +42,7 @@ from remat.solver.json_io import (
     refuse_other_kind,
     write_json,
 )
+from remat.solver.loop import Loop
 
 __all__ = [
     "MAX_BYTES",
@@ -53,10 +54,11 @@ __all__ = [
     "OptionFacts",
     "OutsideCost",
     "Profile",
+    "SharedTensor",
     "UnitProfile",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the loop, shared tensors, kept output, autocast caches
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,11 @@ class UnitProfile:
         input_held_outside / output_held_outside: code outside the units (the
             prefix, the suffix, or code between units off a chain) holds that
             storage until its own backward.
+        autocast_cache_bytes: under ``torch.autocast``, the weight casts its forward
+            leaves in autocast's cache, alive until the loop's autocast region ends
+            (the end of the forward pass). Counted for every option: under ``keep``
+            the same casts are usually saved for backward too, so this over-counts
+            the forward pass of kept units a little, never under-counts.
         options: the measured cost of every option the runtime offers for this
             unit; ``keep`` is always present.
     """
@@ -182,6 +189,7 @@ class UnitProfile:
     options: Mapping[str, OptionCost]
     input_held_outside: bool = False
     output_held_outside: bool = False
+    autocast_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         checked_str(self.name, "UnitProfile.name", ProfileError)
@@ -266,6 +274,46 @@ class OutsideCost:
 
 
 @dataclass(frozen=True)
+class SharedTensor:
+    """A tensor handed to units besides their boundary input: an attention mask, a
+    position bias, rotary tables, an encoder's output, a skip connection.
+
+    Its first user (in forward order) holds it until that unit's backward under
+    ``checkpoint`` and ``selective`` (they keep every argument) and usually under
+    ``keep`` (an attention mask or rotary table is saved for backward), so it counts
+    from its birth until the backward of its first user: exact where that user holds
+    it, a little high where nobody does, never low. When code outside the units also
+    holds it, it counts to the end of the step.
+
+    Attributes:
+        nbytes: its storage's bytes.
+        born_after: ``-1`` when the prefix makes it, else the unit in (or after) whose
+            forward it is made; it counts from the next unit's forward on.
+        first_user: the first unit it is handed to (after ``born_after``).
+        held_to_end: code outside the units holds it to the end of the backward pass.
+    """
+
+    nbytes: int
+    born_after: int
+    first_user: int
+    held_to_end: bool = False
+
+    def __post_init__(self) -> None:
+        _set(self, "nbytes", checked_bytes(self.nbytes, "SharedTensor.nbytes", ProfileError))
+        for name in ("born_after", "first_user"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ProfileError(f"SharedTensor.{name} must be an int, got {value!r}")
+        _set(self, "held_to_end", checked_bool(self.held_to_end, "SharedTensor.held_to_end",
+                                               ProfileError))
+        if not -1 <= self.born_after < self.first_user:
+            raise ProfileError(
+                f"a shared tensor is made before its first user: need -1 <= born_after "
+                f"< first_user, got born_after={self.born_after}, first_user={self.first_user}"
+            )
+
+
+@dataclass(frozen=True)
 class Profile:
     """A model's measured training step, unit by unit.
 
@@ -288,6 +336,16 @@ class Profile:
         device, dtype: where and in what precision it was measured.
         input_shapes: the sample batch's tensor shapes, by argument name.
         meta: free-form notes (torch version, the meter used, ...).
+        loop: the training loop the profile was measured for (accumulation, whether
+            the output is kept, autocast...): :class:`~remat.solver.loop.Loop`.
+        output_bytes: the model output's storages the loop keeps from the end of the
+            forward pass to the end of the step (with ``loop.keep_output``; the loss
+            aside, which ``loss_bytes`` counts).
+        carried_bytes: what the loop's variables keep from the previous iteration
+            while the next forward runs: the last loss's storage, and the last
+            output with ``loop.keep_output``.
+        shared: tensors handed to units besides their boundary input
+            (:class:`SharedTensor`); in no other figure.
 
     Every byte figure here and in the units is an int in ``[0, MAX_BYTES]``, every
     time a finite float in ``[0, MAX_MS]`` milliseconds; anything else (a string,
@@ -310,9 +368,23 @@ class Profile:
     dtype: str = "float32"
     input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     meta: Mapping[str, Any] = field(default_factory=dict)
+    loop: Loop = field(default_factory=Loop)
+    output_bytes: int = 0
+    carried_bytes: int = 0
+    shared: tuple[SharedTensor, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", checked_list(self.units, "Profile.units", ProfileError))
+        if not isinstance(self.loop, Loop):
+            raise ProfileError(f"Profile.loop must be a remat.Loop, got {type(self.loop).__name__}")
+        _set(self, "shared", tuple(checked_list(self.shared, "Profile.shared", ProfileError)))
+        for k, t in enumerate(self.shared):
+            if not isinstance(t, SharedTensor):
+                raise ProfileError(
+                    f"Profile.shared[{k}] must be a SharedTensor, got {type(t).__name__}")
+            if t.first_user >= len(self.units):
+                raise ProfileError(f"Profile.shared[{k}].first_user={t.first_user} is not a "
+                                   f"unit (the profile has {len(self.units)})")
         if not self.units:
             raise ProfileError("a profile needs at least one unit")
         for k, unit in enumerate(self.units):
@@ -361,6 +433,43 @@ class Profile:
             + self.suffix.param_grad_bytes
             + sum(u.param_grad_bytes for u in self.units)
         )
+
+    def step_time_ms(self, extra_ms: float) -> float:
+        """One optimizer step's time when each micro-batch adds ``extra_ms`` (the sum of
+        the plan's options' ``extra_ms``): ``step_ms`` plus that per micro-batch."""
+        return self.step_ms + self.loop.accumulation_steps * extra_ms
+
+    def extra_ms_of(self, step_time_ms: float) -> float:
+        """The per-micro-batch ``extra_ms`` sum of a plan whose step takes ``step_time_ms``."""
+        return (step_time_ms - self.step_ms) / self.loop.accumulation_steps
+
+    @property
+    def grads_alive_at_start(self) -> bool:
+        """Whether every parameter's gradient is alive from the start of the step (the
+        loop accumulates micro-batches, or zeroes gradients without freeing them)."""
+        return self.loop.grads_alive_at_start
+
+    def checkpoint_run_start(self, i: int) -> int:
+        """The first unit of the run of consecutive units that a multi-unit segment
+        containing unit ``i`` could start at (``i`` itself off a chain)."""
+        if not self.is_chain:
+            return i
+        while (i > 0 and Option.CHECKPOINT in self.units[i].options
+               and Option.CHECKPOINT in self.units[i - 1].options):
+            i -= 1
+        return i
+
+    def shared_released_after(self) -> tuple[int | None, ...]:
+        """Per shared tensor, the unit after whose backward it is freed (``None``: alive
+        to the end of the step).
+
+        Its first user holds it until its backward; when that user is in a multi-unit
+        segment, the segment holds its units' arguments until its whole backward is
+        done, so the rule takes the first unit such a segment could start at: the same
+        for every plan, never early.
+        """
+        return tuple(None if t.held_to_end else self.checkpoint_run_start(t.first_user)
+                     for t in self.shared)
 
     def available_options(self) -> tuple[str, ...]:
         """Options offered by at least one unit, in :class:`Option` order."""
@@ -413,6 +522,8 @@ class Profile:
         ]
         d["input_shapes"] = {k: list(v) for k, v in self.input_shapes.items()}
         d["meta"] = dict(self.meta)
+        d["loop"] = self.loop.to_dict()
+        d["shared"] = [asdict(t) for t in self.shared]
         return {"schema_version": SCHEMA_VERSION, **d}
 
     def to_json(self, path: JsonSource | None = None, *, indent: int = 1) -> str:
@@ -438,6 +549,16 @@ class Profile:
         for name in ("prefix", "suffix"):
             if name in d:
                 d[name] = _build(OutsideCost, d[name], f"the profile's {name!r}")
+        if "loop" in d:
+            try:
+                d["loop"] = Loop.from_dict(d["loop"])
+            except RematError as err:
+                raise ProfileError(f"the profile's 'loop': {err}") from None
+        if "shared" in d:
+            d["shared"] = tuple(
+                _build(SharedTensor, t, f"the profile's shared[{k}]")
+                for k, t in enumerate(checked_list(d["shared"], "the profile's 'shared'",
+                                                   ProfileError)))
         return cls(**d)
 
     @classmethod
@@ -460,7 +581,8 @@ class Profile:
 # ---------------------------------------------------------------------------------
 _OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 _OPTION_BOOLS = ("holds_input", "holds_output")
-_UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes")
+_UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes",
+              "autocast_cache_bytes")
 _UNIT_BOOLS = ("input_held_outside", "output_held_outside")
 _OUTSIDE_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "param_grad_bytes")
 _PROFILE_INTS = (
@@ -469,6 +591,8 @@ _PROFILE_INTS = (
     "optimizer_state_bytes",
     "optimizer_step_peak_bytes",
     "loss_bytes",
+    "output_bytes",
+    "carried_bytes",
 )
 
 

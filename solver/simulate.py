@@ -24,7 +24,17 @@ The rules it encodes:
   gradient and its parameter gradients are live.
 * The loss (``loss_bytes``, with the seed gradient) stays alive from the start of
   backward to the end of the step: the caller holds it.
-* The step time is the measured step time plus every option's ``extra_ms``.
+* The loop (``profile.loop``) adds what it keeps alive: the previous iteration's
+  loss and output (``carried_bytes``) through the forward pass, until the new
+  output is made; the new output (``output_bytes``) from the end of the forward
+  pass to the end of the step; every parameter gradient from the start, when the
+  loop accumulates micro-batches or zeroes gradients in place (backward then adds
+  to them instead of allocating them); autocast's weight casts
+  (``autocast_cache_bytes``) from each unit's forward to the end of the forward.
+* A shared tensor (``profile.shared``) lives from its birth until the backward of
+  its first user (see :meth:`Profile.shared_released_after`), or to the end.
+* The step time is the measured step time plus every option's ``extra_ms``, once
+  per micro-batch.
 
 Gradients (of parameters and of activations) are counted apart from the other
 live bytes, so the peak can be split into what it is made of (``peak_parts``).
@@ -103,10 +113,14 @@ class _Replay:
     among them (allocated and freed with :meth:`allocate_grad` / :meth:`free_grad`).
     """
 
-    def __init__(self, fixed_bytes: int) -> None:
+    def __init__(self, fixed_bytes: int, param_grads_at_start: int = 0) -> None:
         self.fixed = fixed_bytes
         self.live = 0
         self.grad = 0
+        # Gradients a loop keeps from before (accumulation, zero_grad in place): alive
+        # throughout, so backward adds into them instead of allocating them.
+        self.param_grads_at_start = param_grads_at_start > 0
+        self.allocate_grad(param_grads_at_start)
         self.events: list[tuple[str, int]] = []
         self.grad_at_event: list[int] = []
         self.size: dict[str, int] = {}
@@ -129,6 +143,11 @@ class _Replay:
     def free_grad(self, nbytes: int) -> None:
         self.live -= nbytes
         self.grad -= nbytes
+
+    def param_grad(self, nbytes: int) -> None:
+        """Parameter gradients a backward phase produces: new bytes, unless alive already."""
+        if not self.param_grads_at_start:
+            self.allocate_grad(nbytes)
 
     # Boundaries: storages shared by neighbours, alive while someone holds them.
     def create_boundary(self, key: str, nbytes: int, holders: set[str]) -> None:
@@ -176,7 +195,17 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     n = len(units)
     cost = [_effective_cost(profile, plan, i) for i in range(n)]
     chain = profile.is_chain
-    r = _Replay(profile.fixed_bytes)
+    r = _Replay(profile.fixed_bytes,
+                profile.grad_bytes if profile.grads_alive_at_start else 0)
+    shared_born: dict[int, list[int]] = {}  # born after unit k's forward (-1: the prefix's)
+    shared_freed: dict[int, list[int]] = {}  # freed after unit k's backward
+    shared_to_end = []
+    for t, released in zip(profile.shared, profile.shared_released_after()):
+        shared_born.setdefault(t.born_after, []).append(t.nbytes)
+        if released is None:
+            shared_to_end.append(t.nbytes)
+        else:
+            shared_freed.setdefault(released, []).append(t.nbytes)
 
     # Boundary keys. On a chain "b{i}" is unit i's input and "b{i+1}" its output;
     # off a chain every unit has its own "in{i}" and "out{i}".
@@ -205,19 +234,28 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
         return h
 
     # ---- forward ------------------------------------------------------------------
+    # The previous iteration's loss and output stay named by the loop's variables
+    # until this forward returns; autocast's cache lives as long as the forward.
+    r.allocate(profile.carried_bytes)
     r.event("forward prefix", profile.prefix.fwd_peak_bytes)
     r.allocate(profile.prefix.held_bytes)
+    r.allocate(sum(shared_born.get(-1, ())))
     for i, unit in enumerate(units):
         if not chain or i == 0:
             r.create_boundary(in_key(i), unit.input_bytes, in_holders(i))
         r.event(f"forward {unit.name}", cost[i].fwd_peak_bytes)
         r.allocate(cost[i].held_bytes)
+        r.allocate(unit.autocast_cache_bytes)
+        r.allocate(sum(shared_born.get(i, ())))
         r.create_boundary(out_key(i), unit.output_bytes, out_holders(i))
         r.release_if_unheld(in_key(i))
         if not chain:
             r.release_if_unheld(out_key(i))
     r.event("forward suffix", profile.suffix.fwd_peak_bytes)
     r.allocate(profile.suffix.held_bytes)
+    r.allocate(profile.output_bytes)
+    r.free(profile.carried_bytes)
+    r.free(sum(u.autocast_cache_bytes for u in units))
     if chain:
         r.release_if_unheld(out_key(n - 1))
     held_after_forward = r.live
@@ -228,7 +266,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     r.free(profile.suffix.held_bytes)
     # The caller's loss and the seed gradient outlive the suffix's other held bytes.
     r.allocate(profile.loss_bytes)
-    r.allocate_grad(profile.suffix.param_grad_bytes)
+    r.param_grad(profile.suffix.param_grad_bytes)
     if chain:
         r.drop_holder(out_key(n - 1), "suffix")
         r.allocate_grad(units[n - 1].output_bytes)  # the gradient of the last unit's output
@@ -238,23 +276,26 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
         seg = plan.segment_of(i)
         if seg is None:
             _backward_unit(r, profile, i, cost[i], chain, in_key(i), out_key(i))
-            i -= 1
+            done = [i]
         else:
             _backward_segment(r, profile, seg, chain)
-            i = seg[0] - 1
+            done = list(range(seg[1], seg[0] - 1, -1))
+        for k in done:
+            r.free(sum(shared_freed.get(k, ())))
+        i = done[-1] - 1
 
     r.event("backward prefix", profile.prefix.bwd_peak_bytes)
     r.free(profile.prefix.held_bytes)
     if chain:
         r.drop_holder(in_key(0), "prefix")
         r.free_grad(units[0].input_grad_bytes)
-    r.allocate_grad(profile.prefix.param_grad_bytes)
+    r.param_grad(profile.prefix.param_grad_bytes)
     r.event("backward end")
     r.event("optimizer step", profile.optimizer_step_peak_bytes)
 
     at = max(range(len(r.events)), key=lambda k: r.events[k][1])  # the first highest event
     label, peak = r.events[at]
-    time_ms = profile.step_ms + sum(c.extra_ms for c in cost)
+    time_ms = profile.step_time_ms(sum(c.extra_ms for c in cost))
     parts = _peak_parts(profile, peak, r.grad_at_event[at])
     return Simulation(peak, time_ms, label, held_after_forward, tuple(r.events), parts)
 
@@ -293,7 +334,8 @@ def _backward_unit(
     r.drop_holder(ik, f"u{i}")
     r.drop_holder(ok, f"u{i}")
     r.free_grad(_grad_out_bytes(profile, i, chain))
-    r.allocate_grad(unit.input_grad_bytes + unit.param_grad_bytes)
+    r.allocate_grad(unit.input_grad_bytes)
+    r.param_grad(unit.param_grad_bytes)
     if not chain:
         # The code before the unit consumes the input gradient and its own hold ends.
         r.free_grad(unit.input_grad_bytes)
@@ -333,7 +375,8 @@ def _backward_segment(r: _Replay, profile: Profile, seg: tuple[int, int], chain:
         if k > a:
             r.drop_holder(rkey(k), f"u{k}")
         r.free_grad(_grad_out_bytes(profile, k, chain))
-        r.allocate_grad(units[k].input_grad_bytes + units[k].param_grad_bytes)
+        r.allocate_grad(units[k].input_grad_bytes)
+        r.param_grad(units[k].param_grad_bytes)
     # The segment's real input, held by its first unit, goes with it, and so does
     # what the first unit held since its forward (its checkpoint ``held_bytes``).
     r.free(units[a].options[Option.CHECKPOINT].held_bytes)

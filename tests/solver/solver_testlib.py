@@ -13,8 +13,16 @@ from dataclasses import dataclass, fields
 from hypothesis import assume
 from hypothesis import strategies as st
 
+from remat.solver.loop import Loop
 from remat.solver.plan import Plan
-from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
+from remat.solver.profile import (
+    Option,
+    OptionCost,
+    OutsideCost,
+    Profile,
+    SharedTensor,
+    UnitProfile,
+)
 from remat.solver.simulate import simulate
 
 KEEP, CKPT, SEL, OFF = (o.value for o in Option)
@@ -176,6 +184,7 @@ def profiles(
                 options=options,
                 input_held_outside=draw(st.booleans()),
                 output_held_outside=draw(st.booleans()),
+                autocast_cache_bytes=draw(st.sampled_from([0, 0, draw(_bytes)])),
             )
         )
     outside = st.builds(
@@ -198,10 +207,29 @@ def profiles(
         optimizer_step_peak_bytes=draw(_bytes),
         step_ms=draw(st.floats(min_value=1.0, max_value=100.0)),
         **{name: draw(_bytes) for name in sorted(optional)},
+        **draw(loop_figures(n)),
     )
     # Keep the brute force affordable: skip profiles with too many plans.
     assume(count_plans(profile) <= max_plans)
     return profile
+
+
+@st.composite
+def loop_figures(draw: st.DrawFn, n: int) -> dict:
+    """What the training loop adds to a profile: the loop, what it carries and keeps,
+    and tensors shared by units (every field simulate() reads about them is drawn)."""
+    shared = []
+    for _ in range(draw(st.integers(0, 2))):
+        first = draw(st.integers(0, n - 1))
+        shared.append(SharedTensor(draw(st.integers(1, 30)), draw(st.integers(-1, first - 1)),
+                                   first, draw(st.booleans())))
+    return {
+        "loop": Loop(accumulation_steps=draw(st.sampled_from([1, 1, 2])),
+                     set_to_none=draw(st.booleans())),
+        "carried_bytes": draw(st.sampled_from([0, draw(_bytes)])),
+        "output_bytes": draw(st.sampled_from([0, draw(_bytes)])),
+        "shared": tuple(shared),
+    }
 
 
 def count_plans(profile: Profile) -> int:
@@ -263,6 +291,7 @@ def segment_profiles(draw: st.DrawFn, max_units: int = 8) -> Profile:
         units=tuple(units), is_chain=True,
         suffix=OutsideCost(held_bytes=draw(st.integers(0, 20))),
         param_bytes=draw(st.integers(0, 50)), step_ms=10.0,
+        **draw(loop_figures(n)),
     )
 
 
