@@ -22,26 +22,22 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import inspect
-import logging
 import os
 import platform
 import statistics
-import sys
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+from peers_compiled import remat_compiled_row, torch_compile_row
 from peers_data import (
-    CHECKPOINT_SEQUENTIAL,
     COMPILED,
     DEFAULT_MODELS,
     EAGER,
-    HF_CHECKPOINTING,
     METHOD_ORDER,
     NONE,
     REMAT_CHEN,
@@ -54,20 +50,19 @@ from peers_data import (
     RunFacts,
     mib_cell,
 )
+from peers_variants import Variant, peer_variants, remat_variant
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
 
 import remat
 from remat.allocator import allocator_peak
 from remat.api import activation_budget
-from remat.compiled import DEFAULT_PARTITIONER_BUDGETS, measure_compiled, solve_compiled
+from remat.compiled import DEFAULT_PARTITIONER_BUDGETS, solve_compiled
 from remat.errors import InfeasibleBudgetError
 from remat.models import ReferenceModel, build
 from remat.profiler.state import clear_grads
 from remat.profiler.step import fixed_bytes, forward_loss, model_device
 from remat.profiler.timing import Stopwatch
-
-REPO = str(Path(__file__).resolve().parent.parent)
+from remat.solver.solve import no_checkpoint_peak_bytes
 
 # Model sizes for the full run, tuned so that the whole run (4 models, 3 budgets,
 # 4 torch.compile compiles per model plus remat's compiled search) takes about
@@ -81,8 +76,6 @@ FULL_SIZES: dict[str, dict[str, Any]] = {
     "hf-gpt2": {"size": "small", "depth": 4, "batch_size": 8, "dropout": 0.0},
 }
 QUICK_SIZES: dict[str, dict[str, Any]] = {name: {"size": "tiny"} for name in DEFAULT_MODELS}
-# measure_compiled times its steps only when the peak is within a bound: here, always.
-ALWAYS = sys.maxsize
 
 
 @dataclass
@@ -97,19 +90,6 @@ class Settings:
     threads: int
     compile: bool = True
     remat_compile: bool = True
-
-
-@dataclass
-class Variant:
-    """One way of training one model, ready to step."""
-
-    method: str
-    setting: str
-    family: str
-    model: nn.Module
-    budget_fraction: float | None = None
-    predicted_peak_bytes: int | None = None
-    teardown: Callable[[], None] = lambda: None
 
 
 # --------------------------------------------------------------------------- stepping
@@ -149,84 +129,6 @@ def record_times(row: Row, times: Sequence[tuple[float, float]]) -> None:
     row.step_cpu_ms_all = [cpu for _, cpu in times]
     row.step_ms = statistics.median(row.step_ms_all)
     row.step_cpu_ms = statistics.median(row.step_cpu_ms_all)
-
-
-# --------------------------------------------------------------------------- peers
-class CheckpointedSequential(nn.Module):
-    """Run an ``nn.Sequential`` through ``checkpoint_sequential`` with ``segments`` segments.
-
-    ``checkpoint_sequential`` checkpoints every segment but the last, which runs
-    normally; so k = 1 is no checkpointing at all.
-    """
-
-    def __init__(self, seq: nn.Sequential, segments: int) -> None:
-        super().__init__()
-        self.seq = seq
-        self.segments = segments
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The wrapped sequence's forward, checkpointed segment by segment."""
-        return checkpoint_sequential(self.seq, self.segments, x, use_reentrant=False)
-
-
-def sequential_units(name: str, model: nn.Module) -> nn.Sequential | None:
-    """The ``nn.Sequential`` of units, for the models whose units form one."""
-    if name == "mlp" and isinstance(model, nn.Sequential):
-        return model
-    if name == "cnn" and isinstance(getattr(model, "blocks", None), nn.Sequential):
-        return model.blocks
-    return None
-
-
-def segment_counts(n: int) -> list[int]:
-    """k = 2, 4, 8, ... below n, then n (k = 1 would checkpoint nothing)."""
-    ks, k = [], 2
-    while k < n:
-        ks.append(k)
-        k *= 2
-    return ks + [n] if n >= 2 else []
-
-
-def checkpoint_sequential_variant(name: str, pristine: nn.Module, k: int) -> Variant:
-    """A copy of the model whose sequential units run through ``checkpoint_sequential(k)``."""
-    model = copy.deepcopy(pristine)
-    if name == "mlp":
-        wrapped: nn.Module = CheckpointedSequential(model, k)
-    else:
-        model.blocks = CheckpointedSequential(model.blocks, k)
-        wrapped = model
-    return Variant(CHECKPOINT_SEQUENTIAL, f"k={k}", EAGER, wrapped)
-
-
-def hf_variant(pristine: nn.Module) -> Variant:
-    """A copy of a Hugging Face model with gradient checkpointing on every block."""
-    model = copy.deepcopy(pristine)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return Variant(HF_CHECKPOINTING, "every block", EAGER, model)
-
-
-def overridden_forwards(model: nn.Module) -> set[str]:
-    """Names of the submodules with an instance-level ``forward`` (what apply_plan installs)."""
-    return {name for name, m in model.named_modules() if "forward" in vars(m)}
-
-
-def remat_variant(pristine: nn.Module, plan: remat.Plan, method: str, setting: str,
-                  fraction: float | None) -> Variant:
-    """A copy of the model with ``plan`` applied; its teardown removes the plan."""
-    model = copy.deepcopy(pristine)
-    remat.apply_plan(model, plan)
-
-    def teardown() -> None:
-        remat.remove_plan(model)
-        left = overridden_forwards(model) - overridden_forwards(pristine)
-        if left:
-            raise RuntimeError(f"remat.remove_plan left wrapped forwards on {sorted(left)}")
-
-    return Variant(method, setting, EAGER, model, budget_fraction=fraction,
-                   predicted_peak_bytes=plan.predicted_peak_bytes, teardown=teardown)
 
 
 # --------------------------------------------------------------------------- eager
@@ -270,138 +172,7 @@ def measure_eager(variants: Sequence[Variant], ref: ReferenceModel, repeats: int
     return rows
 
 
-# --------------------------------------------------------------------------- compiled
-DISPATCH_NA = "dispatch meter n/a: compiled code runs eagerly under a dispatch mode"
-
-
-def dynamo_counts() -> tuple[int, int]:
-    """Dynamo's running totals (``torch._dynamo.reset()`` keeps them): graphs, graph breaks."""
-    counters = torch._dynamo.utils.counters
-    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-
-
-class RecompileLimitHits(logging.Handler):
-    """Collects dynamo's "hit config.recompile_limit" warnings.
-
-    Past the limit, dynamo runs the named function eagerly from then on, which is
-    how a compiled model can end up with no graph at all; the note says so.
-    """
-
-    LOGGER = "torch._dynamo.convert_frame"
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.hits: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args if isinstance(record.args, tuple) else ()
-        if str(record.msg).startswith("torch._dynamo hit config.") and len(args) >= 3:
-            limit, value, function = args[:3]
-            hit = f"{limit} ({value}) in {str(function).replace(f'{REPO}/', '')}"
-            if hit not in self.hits:
-                self.hits.append(hit)
-
-    def __enter__(self) -> RecompileLimitHits:
-        logging.getLogger(self.LOGGER).addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger(self.LOGGER).removeHandler(self)
-
-
-def compile_note(seconds: float, repeats: int, graphs: int, breaks: int,
-                 limit_hits: Sequence[str]) -> str:
-    """The note of a compiled row: measuring time, graphs, and recompile limits hit."""
-    note = (f"{DISPATCH_NA}; measure_compiled {seconds:.0f} s (compile, 1 metered and "
-            f"{repeats} timed steps); {graphs} graph{'s' if graphs != 1 else ''}, "
-            f"{breaks} graph breaks")
-    if graphs == 0:
-        note += " (ran eagerly)"
-    if limit_hits:
-        note += "; dynamo hit " + ", ".join(limit_hits) + ": later calls ran eagerly"
-    return note
-
-
-def run_compiled(row: Row, ref: ReferenceModel, model: nn.Module, plan: remat.Plan | None,
-                 fraction: float, repeats: int) -> None:
-    """``measure_compiled``: the compiled step's allocator peak and median time into ``row``.
-
-    It resets dynamo before and after, so each compile starts from nothing. The note
-    says how many graphs (and graph breaks) the model compiled to, and which
-    recompile limits it hit.
-    """
-    graphs0, breaks0 = dynamo_counts()
-    with RecompileLimitHits() as limits:
-        t0 = time.perf_counter()
-        step = measure_compiled(model, ref.batch, plan, loss_fn=ref.loss_fn,
-                                activation_memory_budget=fraction, time_if_within=ALWAYS,
-                                repeats=repeats)
-        row.compiled_measure_s = time.perf_counter() - t0
-    graphs, breaks = (now - then for now, then in zip(dynamo_counts(), (graphs0, breaks0)))
-    row.peak_allocator_bytes, row.step_ms = step.peak_bytes, step.time_ms
-    row.note = compile_note(row.compiled_measure_s, repeats, graphs, breaks, limits.hits)
-    print(f"  {row.method} {row.setting}: allocator {mib_cell(row.peak_allocator_bytes)} MiB, "
-          f"{row.step_ms:.0f} ms, {row.compiled_measure_s:.0f} s, {graphs} graphs", flush=True)
-
-
-def torch_compile_row(ref: ReferenceModel, pristine: nn.Module, fraction: float,
-                      repeats: int) -> Row:
-    """A copy compiled at ``activation_memory_budget=fraction``: allocator peak and time."""
-    row = Row(ref.name, TORCH_COMPILE, f"budget={fraction:g}", COMPILED,
-              budget_fraction=fraction if fraction < 1.0 else None)
-    run_compiled(row, ref, copy.deepcopy(pristine), None, fraction, repeats)
-    return row
-
-
-def remat_compiled_row(ref: ReferenceModel, pristine: nn.Module, profile: remat.Profile,
-                       budget: int, fraction: float, repeats: int) -> Row:
-    """remat's plan for compiled training at ``fraction``, compiled and measured.
-
-    The plan comes from ``solve(..., compiled=True)`` (:func:`remat.compiled.solve_compiled`):
-    the fastest (frontier plan, inductor ``activation_memory_budget``) whose compiled
-    step fits the budget. It is measured at that partitioner budget, as
-    :func:`remat.compiled.compile_planned` would compile it. A search that finds no
-    fitting plan, or a plan that does not compile, becomes a row whose note says why.
-    """
-    def fresh(setting: str, plan: remat.Plan | None = None) -> Row:
-        return Row(ref.name, REMAT_COMPILED, setting, COMPILED, budget_fraction=fraction,
-                   predicted_peak_bytes=plan.compiled_peak_bytes if plan else None)
-
-    try:
-        t0 = time.perf_counter()
-        plan = solve_compiled(copy.deepcopy(pristine), ref.batch, profile, budget,
-                              loss_fn=ref.loss_fn)
-        search_s = time.perf_counter() - t0
-    except InfeasibleBudgetError as exc:
-        row = fresh(f"f={fraction:g}: compiled search")
-        smallest = mib_cell(exc.min_feasible_bytes)
-        row.note = f"no plan fits compiled: smallest measured {smallest} MiB"
-        return row
-    setting = f"f={fraction:g}: {plan.summary()}; amb={plan.activation_memory_budget:g}"
-    row = fresh(setting, plan)
-    try:
-        run_compiled(row, ref, copy.deepcopy(pristine), plan, plan.activation_memory_budget,
-                     repeats)
-    # Dynamo and inductor can raise almost anything (Unsupported, BackendCompilerFailed,
-    # InternalTorchDynamoError, RuntimeError from a generated kernel...): whichever it
-    # is, it is this row's result, recorded in its note, and the benchmark goes on.
-    except Exception as exc:
-        print(f"!! {ref.name} {REMAT_COMPILED} f={fraction:g} failed:\n"
-              f"{traceback.format_exc()}", flush=True)
-        row = fresh(setting, plan)
-        row.note = f"compile failed: {exception_text(exc)}"
-        return row
-    row.note = f"compiled search {search_s:.0f} s; " + row.note
-    return row
-
-
-def exception_text(exc: BaseException, limit: int = 300) -> str:
-    """``Type: first line of the message``, shortened and safe in a markdown table cell."""
-    lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".replace("|", "\\|")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
+# --------------------------------------------------------------------------- guarding
 def run_guarded(label: str, fn: Callable[[], Any], failures: list[str]) -> Any:
     """``fn()``; on an exception print its traceback, note it in ``failures``, return None."""
     try:
@@ -454,23 +225,6 @@ def remat_variants(
     return variants, rows
 
 
-def peer_variants(ref: ReferenceModel, pristine: nn.Module) -> tuple[list[Variant], list[str]]:
-    """The eager peers that apply to this model, and the names of those that do not."""
-    variants: list[Variant] = []
-    not_applicable: list[str] = []
-    units = sequential_units(ref.name, pristine)
-    if units is None:
-        not_applicable.append(CHECKPOINT_SEQUENTIAL)
-    else:
-        variants += [checkpoint_sequential_variant(ref.name, pristine, k)
-                     for k in segment_counts(len(units))]
-    if hasattr(pristine, "gradient_checkpointing_enable"):
-        variants.append(hf_variant(pristine))
-    else:
-        not_applicable.append(HF_CHECKPOINTING)
-    return variants, not_applicable
-
-
 def compiled_rows(ref: ReferenceModel, pristine: nn.Module, profile: remat.Profile,
                   budgets: dict[float, int], settings: Settings,
                   failures: list[str]) -> list[Row]:
@@ -502,7 +256,6 @@ def run_model(name: str, settings: Settings,
     profile = remat.profile(copy.deepcopy(pristine), ref.batch, loss_fn=ref.loss_fn)
     profile_s = time.perf_counter() - t0
     budgets = {f: activation_budget(profile, f) for f in settings.fractions}
-    no_ckpt = remat.simulate(profile, remat.Plan.keep_all([u.name for u in profile.units]))
     print(f"  profiled {profile.n} units in {profile_s:.1f} s; budgets "
           + ", ".join(f"{f:.0%}={mib_cell(b)} MiB" for f, b in budgets.items()), flush=True)
 
@@ -522,7 +275,7 @@ def run_model(name: str, settings: Settings,
     rows.sort(key=lambda r: METHOD_ORDER.index(r.method))  # stable: settings keep their order
     finish_rows(rows, budgets)
     facts = ModelFacts(name, ref.description, profile.n, profile.fixed_bytes, profile.grad_bytes,
-                       no_ckpt.peak_bytes, profile_s, not_applicable)
+                       no_checkpoint_peak_bytes(profile), profile_s, not_applicable)
     return facts, budgets, rows
 
 
