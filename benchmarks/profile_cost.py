@@ -21,7 +21,6 @@ import argparse
 import datetime as dt
 import logging
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -30,11 +29,13 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see peers.py
 
 import torch  # noqa: E402
+from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
 
 import remat  # noqa: E402
 from remat import models  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results" / "profile_cost.md"
+from remat.profiler.state import clear_grads  # noqa: E402
+from remat.profiler.step import model_device  # noqa: E402
+from remat.profiler.timing import Stopwatch  # noqa: E402
 
 
 class _PhaseLog(logging.Handler):
@@ -55,15 +56,13 @@ def plain_step_ms(ref: models.ReferenceModel, warmup: int, repeats: int) -> floa
     untimed ones), in milliseconds."""
     times = []
     params = list(ref.model.parameters())
+    watch = Stopwatch(model_device(ref.model))
     for r in range(warmup + repeats):
-        for p in params:
-            p.grad = None
-        t0 = time.perf_counter()
-        ref.step()
+        clear_grads(params)
+        _, ms = watch.time(ref.step)
         if r >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    for p in params:
-        p.grad = None
+            times.append(ms)
+    clear_grads(params)
     return statistics.median(times)
 
 
@@ -78,6 +77,7 @@ def phase_summary(phases: dict[str, float], step_s: float) -> str:
 
 
 def row_for(name: str, runs: int, repeats: int, phase_log: _PhaseLog) -> dict[str, str]:
+    """Plain steps and profile() calls of ``name``, alternating: one row of cells."""
     ref = models.build(name, size="small", seed=0)
     remat.profile(ref.model, ref.batch, loss_fn=ref.loss_fn, progress=False)  # discarded
     # Plain steps and profile() calls alternate, so slow drifts of the machine hit both.
@@ -103,20 +103,13 @@ def row_for(name: str, runs: int, repeats: int, phase_log: _PhaseLog) -> dict[st
     return row
 
 
-def markdown(rows: list[dict[str, str]], header: str) -> str:
-    cols = list(rows[0])
-    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: Any = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "gpt", "hf-gpt2"])
     parser.add_argument("--runs", type=int, default=3, help="timed profile() calls per model")
     parser.add_argument("--repeats", type=int, default=5, help="timed plain steps per model")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "profile_cost.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     phase_log = _PhaseLog()
@@ -133,8 +126,7 @@ def main(argv: Any = None) -> None:
     header = (
         "# Profile cost\n\n"
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; machine: "
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
-        f"({args.threads} thread), no GPU\n"
+        f"{machine_line(args.threads)}\n"
         f"- command: `.venv/bin/python benchmarks/profile_cost.py --runs {args.runs} "
         f"--repeats {args.repeats}` ({time.perf_counter() - start:.0f} s)\n"
         "- step ms: median of plain training steps (forward + backward, no optimizer) after one "
@@ -145,10 +137,8 @@ def main(argv: Any = None) -> None:
         "- phases: time of each of profile()'s phases in the last call, in steps "
         "(`units`: all per-unit phases: metered and timed replays)\n"
     )
-    text = markdown(rows, header)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    table = markdown_table(list(rows[0]), [list(r.values()) for r in rows])
+    write_result(args.out, "\n".join([header, *table]) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,18 +21,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from _common import RESULTS, machine_line, markdown_table, write_result
+
+from remat.bytesize import MIB, mib
 from remat.errors import RematError
 from remat.solver.dp import solve_dp
 from remat.solver.ilp import solve_ilp
 from remat.solver.min_peak import min_peak_bytes
 from remat.solver.plan import Plan
 from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
-from remat.solver.simulate import simulate
+from remat.solver.solve import no_checkpoint_peak_bytes
 
 log = logging.getLogger("solver_speed")
 
-RESULTS = Path(__file__).parent / "results" / "solver_speed.md"
-MIB = 2**20
+COLUMNS = ("units", "DP s (median)", "ILP s", "ILP status", "optimal time agree?",
+           "ILP s, DP-hinted", "status", "agree?", "budget MiB", "overhead %", "DP plan")
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ def transformer_profile(n_units: int, seed: int = 0, boundary_mib: int = 8) -> P
 def binding_budget(profile: Profile) -> int:
     """Half way between the smallest feasible peak and the no-checkpoint peak."""
     lo = min_peak_bytes(profile)
-    hi = simulate(profile, Plan.keep_all([u.name for u in profile.units])).peak_bytes
+    hi = no_checkpoint_peak_bytes(profile)
     return lo + (hi - lo) // 2
 
 
@@ -176,7 +179,8 @@ def _run_ilp(
     return IlpRun(seconds, plan.status, agree)
 
 
-def _row(n: int, repeats: int, ilp_limit_s: float) -> str:
+def _row(n: int, repeats: int, ilp_limit_s: float) -> list[str]:
+    """One table row: DP and CP-SAT (cold and DP-hinted) on ``n`` units."""
     profile = transformer_profile(n, seed=n)
     budget = binding_budget(profile)
     dp_s, dp_plan = _time_dp(profile, budget, repeats)
@@ -184,11 +188,9 @@ def _row(n: int, repeats: int, ilp_limit_s: float) -> str:
     warm = _run_ilp(profile, budget, dp_plan, ilp_limit_s, hint=dp_plan)
     assert dp_plan.predicted_time_ms is not None
     over = 100 * (dp_plan.predicted_time_ms / profile.step_ms - 1)
-    return (
-        f"| {n} | {dp_s:.3f} | {cold.seconds:.1f} | {cold.status} | {cold.agree} "
-        f"| {warm.seconds:.1f} | {warm.status} | {warm.agree} "
-        f"| {budget / MIB:.0f} | {over:.2f} | {dp_plan.summary()} |"
-    )
+    return [str(n), f"{dp_s:.3f}", f"{cold.seconds:.1f}", cold.status, cold.agree,
+            f"{warm.seconds:.1f}", warm.status, warm.agree, mib(budget, 0), f"{over:.2f}",
+            dp_plan.summary()]
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -196,21 +198,16 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 300, 1000])
     parser.add_argument("--repeats", type=int, default=5, help="DP runs per size (median)")
     parser.add_argument("--ilp-time-limit", type=float, default=60.0, help="seconds")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "solver_speed.md")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    header = (
-        "| units | DP s (median) | ILP s | ILP status | optimal time agree? "
-        "| ILP s, DP-hinted | status | agree? | budget MiB | overhead % | DP plan |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|"
-    )
-    rows = [header]
+    rows = []
     for n in args.sizes:
         rows.append(_row(n, args.repeats, args.ilp_time_limit))
-        log.info(rows[-1])
-    table = "\n".join(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
+        log.info(" | ".join(rows[-1]))
+    table = "\n".join(markdown_table(COLUMNS, rows))
+    write_result(
+        args.out,
         "# Solver speed\n\n"
         f"Transformer-like chains (pattern {PATTERN} of {[k.name for k in KINDS]}), all four "
         "options, budget half way between the smallest feasible peak and the no-checkpoint "
@@ -218,18 +215,9 @@ def main(argv: list[str] | None = None) -> str:
         f"{args.ilp_time_limit:g} s, model building included; cold (no hint) and warm-started "
         "with the DP's plan as a hint (CP-SAT must still prove optimality itself). "
         "'agree' compares simulate()'s times of the two plans, up to the ILP's 1 ns "
-        f"rounding per unit. Machine: {_machine()}.\n\n{table}\n"
+        f"rounding per unit. Machine: {machine_line()}.\n\n{table}\n",
     )
-    print(table)  # noqa: T201 - a benchmark script reports on stdout
     return table
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 if __name__ == "__main__":

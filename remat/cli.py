@@ -15,59 +15,17 @@ or a ``remat.models.ReferenceModel``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from remat.bytesize import mib
 from remat.errors import RematError
+from remat.report import print_table
 
 DEFAULT_MODEL = "gpt"
-_MIB = 2**20
-
-
-def _mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / _MIB:.1f}"
-
-
-def load_model(spec: str, *, size: str = "small", seed: int = 0) -> tuple[Any, Any, Any, str]:
-    """``(model, batch, loss_fn, label)`` from a built-in name or ``module:function``."""
-    if ":" in spec:
-        module_name, _, fn_name = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), fn_name)
-        except (ImportError, AttributeError) as exc:
-            raise RematError(
-                f"--model {spec!r}: cannot load {fn_name!r} from module {module_name!r} ({exc}); "
-                "give module:function where the function returns (model, sample_batch)"
-            ) from exc
-        made = factory()
-        if hasattr(made, "model") and hasattr(made, "batch"):
-            return made.model, made.batch, made.loss_fn, spec
-        if isinstance(made, tuple) and len(made) in (2, 3):
-            model, batch, *rest = made
-            return model, batch, (rest[0] if rest else None), spec
-        raise RematError(
-            f"--model {spec!r} returned {type(made).__name__}; expected (model, sample_batch), "
-            "(model, sample_batch, loss_fn) or a ReferenceModel"
-        )
-    from remat import models
-
-    ref = models.build(spec, size=size, seed=seed)
-    return ref.model, ref.batch, ref.loss_fn, f"{spec} ({size})"
-
-
-def _print_table(rows: Sequence[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    cols = list(rows[0])
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
-    print("  ".join(c.ljust(widths[c]) for c in cols))
-    print("  ".join("-" * widths[c] for c in cols))
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
 
 
 def _plan_rows(profile: Any, plan: Any) -> list[dict[str, Any]]:
@@ -81,8 +39,8 @@ def _plan_rows(profile: Any, plan: Any) -> list[dict[str, Any]]:
                 "type": unit.type_name,
                 "option": decision["option"],
                 "segment": decision["segment"],
-                "keep MiB": _mib(unit.saved_bytes),
-                "held MiB": _mib(held) if not decision["segment"] else "seg",
+                "keep MiB": mib(unit.saved_bytes),
+                "held MiB": mib(held) if not decision["segment"] else "seg",
                 "extra ms": f"{cost.extra_ms:.2f}",
             }
         )
@@ -92,6 +50,7 @@ def _plan_rows(profile: Any, plan: Any) -> list[dict[str, Any]]:
 def _profile_for(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, str]:
     """``(profile, model, batch, loss_fn, label)``; model is None for a saved profile."""
     import remat
+    from remat.models.load import load_model
 
     if getattr(args, "profile", None):
         return remat.Profile.from_json(args.profile), None, None, None, args.profile
@@ -109,7 +68,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
         print(frame.to_string(index=False))
     print(
         f"\n{label}: {profile.n} units, chain={profile.is_chain}, step {profile.step_ms:.1f} ms, "
-        f"measured peak {_mib(profile.measured_peak_bytes)} MiB on {profile.device}"
+        f"measured peak {mib(profile.measured_peak_bytes)} MiB on {profile.device}"
     )
     if args.out:
         profile.to_json(args.out)
@@ -140,20 +99,20 @@ def cmd_solve(args: argparse.Namespace) -> None:
                               loss_fn=loss_fn)
     else:
         plan = remat.solve(profile, memory_budget=args.budget, method=args.method)
-    _print_table(_plan_rows(profile, plan))
+    print_table(_plan_rows(profile, plan))
     print(
         f"\n{label}: {plan.algorithm} ({plan.status}, {plan.solve_ms:.0f} ms to solve): "
-        f"{plan.summary()}\npredicted peak {_mib(plan.predicted_peak_bytes)} MiB "
-        f"(budget {_mib(plan.budget_bytes)} MiB), predicted step {plan.predicted_time_ms:.1f} ms"
+        f"{plan.summary()}\npredicted peak {mib(plan.predicted_peak_bytes)} MiB "
+        f"(budget {mib(plan.budget_bytes)} MiB), predicted step {plan.predicted_time_ms:.1f} ms"
     )
     if plan.compiled_peak_bytes is not None:
-        print(f"compiled (torch.compile) peak {_mib(plan.compiled_peak_bytes)} MiB, step "
+        print(f"compiled (torch.compile) peak {mib(plan.compiled_peak_bytes)} MiB, step "
               f"{plan.compiled_time_ms:.1f} ms, measured with inductor's "
               f"activation_memory_budget={plan.activation_memory_budget:g} (compile with "
               "remat.compile_planned)")
     if args.measure and model is not None:
         m = _measure_plan(model, batch, loss_fn, plan)
-        print(f"measured  peak {_mib(m.peak_bytes)} MiB, measured step {m.time_ms:.1f} ms")
+        print(f"measured  peak {mib(m.peak_bytes)} MiB, measured step {m.time_ms:.1f} ms")
     if args.out:
         plan.to_json(args.out)
         print(f"wrote {args.out}")
@@ -175,19 +134,19 @@ def _print_frontier(frontier: Any) -> None:
         {
             "kind": r.kind,
             "algorithm": r.algorithm,
-            "peak MiB": _mib(r.peak_bytes),
+            "peak MiB": mib(r.peak_bytes),
             "time ms": f"{r.time_ms:.1f}",
             "overhead %": f"{r.overhead_pct:.1f}",
             "plan": r.plan,
         }
         for r in frontier.itertuples()
     ]
-    _print_table(rows)
+    print_table(rows)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
     """Profile the default model, solve at a budget, apply, train, measure, plot."""
-    from remat.demo import run_demo
+    from remat.models.demo import run_demo
 
     run_demo(model_name=args.model, size=args.size, out_dir=Path(args.out_dir))
 

@@ -189,3 +189,32 @@ def test_hf_batches(name: str) -> None:
     if name == "hf-bert":
         assert "attention_mask" in ref.batch
         assert ((ref.batch["labels"] != -100).sum(dim=1) >= 1).all()
+
+
+# Fingerprints of every built-in model at size tiny, seed 0, computed with the code
+# before remat.models became a package (torch 2.13.0, transformers 5.23.0): the
+# refactor must not change a single weight or input. (weights, batch): position-weighted
+# sums (see _checksum), so that moved or swapped values show too. The Hugging Face ones
+# also depend on how transformers initialises its models.
+FINGERPRINTS = {
+    "mlp": (251.0305756032467, -2315.8992232992314),
+    "cnn": (601.3910097630178, -178.63914985908195),
+    "gpt": (2556.815903558294, 72094.0),
+    "hf-gpt2": (2763.0185873772316, 58040.0),
+    "hf-bert": (3534.3991384963742, -5626.0),
+    "hf-llama": (2769.7689325620827, 73906.0),
+}
+
+
+def _checksum(t: Tensor) -> float:
+    flat = t.detach().reshape(-1).double()
+    weights = torch.arange(flat.numel(), dtype=torch.float64) % 97 + 1
+    return float((flat * weights).sum())
+
+
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_weights_and_batch_match_the_recorded_fingerprint(name: str) -> None:
+    ref = _tiny(name)
+    weights = sum(_checksum(v) for _, v in sorted(ref.model.state_dict().items()))
+    batch = sum(_checksum(t) for t in _tensors(ref.batch))
+    assert (weights, batch) == pytest.approx(FINGERPRINTS[name], rel=1e-9)

@@ -1,34 +1,39 @@
-"""The README's main command: remat's whole job on a built-in model, with measurements.
+"""The README's main command: remat's whole job on a reference model, with measurements.
 
 Profile the model, draw the optimal frontier, solve at half of its activation
 memory, apply the plan, measure a real step, compare with the baselines, train a
-few steps under the plan, and write the plot.
+few steps under the plan, and write the plot. ``python -m remat demo`` runs it
+(the command line imports this module only then); it prints, as the CLI does.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from remat.cli import _mib, _print_table, load_model
+import torch
+
+import remat
+from remat.api import activation_budget
+from remat.bytesize import mib
+from remat.models.load import load_model
+from remat.profiler.step import forward_loss
+from remat.report import print_table
 
 __all__ = ["run_demo"]
 
 
 def run_demo(*, model_name: str = "gpt", size: str = "small", out_dir: Path = Path("out")) -> None:
-    import torch
-
-    import remat
-    from remat.api import activation_budget
-
+    """Run the demo on ``model_name`` (a built-in name or ``module:function``) at
+    ``size``; writes ``demo_pareto.png`` and ``demo_plan.json`` into ``out_dir``."""
     model, batch, loss_fn, label = load_model(model_name, size=size)
     print(f"== remat demo: {label}")
     profile = remat.profile(model, batch, loss_fn=loss_fn)
     print(
         f"profiled {profile.n} units (chain={profile.is_chain}) on {profile.device}: "
-        f"step {profile.step_ms:.0f} ms, peak {_mib(profile.measured_peak_bytes)} MiB"
+        f"step {profile.step_ms:.0f} ms, peak {mib(profile.measured_peak_bytes)} MiB"
     )
     budget = activation_budget(profile, 0.5)
-    print(f"budget: half of the activation memory = {_mib(budget)} MiB\n")
+    print(f"budget: half of the activation memory = {mib(budget)} MiB\n")
 
     plans = {
         "no checkpointing": remat.solve(profile, method="none"),
@@ -48,22 +53,21 @@ def run_demo(*, model_name: str = "gpt", size: str = "small", out_dir: Path = Pa
             {
                 "method": name,
                 "plan": plan.summary(),
-                "pred MiB": _mib(plan.predicted_peak_bytes),
-                "meas MiB": _mib(m.peak_bytes),
+                "pred MiB": mib(plan.predicted_peak_bytes),
+                "meas MiB": mib(m.peak_bytes),
                 "pred ms": f"{plan.predicted_time_ms:.0f}",
                 "meas ms": f"{m.time_ms:.0f}",
                 "fits budget": "yes" if m.peak_bytes <= budget else "no",
             }
         )
-    _print_table(rows)
+    print_table(rows)
 
     plan = plans["remat optimal"]
     remat.apply_plan(model, plan)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     print("\ntraining 3 steps under the optimal plan:")
     for step in range(3):
-        out = model(**batch) if isinstance(batch, dict) else model(batch)
-        loss = loss_fn(out, batch) if loss_fn is not None else out.loss
+        loss = forward_loss(model, batch, loss_fn)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
