@@ -15,7 +15,7 @@ between units, off a chain, counts as prefix). They are informational:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,7 +25,15 @@ from remat.profiler.capture import ChainCheck
 from remat.profiler.instrument import BaselineStep, UnitInStep
 from remat.profiler.replay import OptionFigures, UnitTiming
 from remat.profiler.step import StepTimes
-from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
+from remat.solver.loop import Loop
+from remat.solver.profile import (
+    Option,
+    OptionCost,
+    OutsideCost,
+    Profile,
+    SharedTensor,
+    UnitProfile,
+)
 
 __all__ = ["Measurements", "build_profile", "input_shapes", "model_dtype"]
 
@@ -45,6 +53,7 @@ class Measurements:
     buffer_bytes: int
     optimizer_state_bytes: int = 0
     optimizer_step_peak_bytes: int = 0
+    loop: Loop = field(default_factory=Loop)
 
 
 def input_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
@@ -137,6 +146,7 @@ def _unit_profile(
         options=costs,
         input_held_outside=in_step.input_held_outside,
         output_held_outside=in_step.output_held_outside,
+        autocast_cache_bytes=max(f.forward_cache_bytes for f in figures.values()),
     )
 
 
@@ -194,6 +204,16 @@ def build_profile(
         device=str(device),
         dtype=dtype,
         input_shapes=dict(shapes),
+        loop=m.loop,
+        output_bytes=base.output_bytes,
+        last_output_kept=base.last_output_kept,
+        grad_in_flight_bytes=base.grad_in_flight_bytes,
+        carried_bytes=(base.loss_storage_bytes + base.output_bytes
+                       + (units[-1].output_bytes if base.last_output_kept else 0)),
+        shared=tuple(
+            SharedTensor(t.nbytes, min(t.born_after, t.users[0] - 1), t.users[0], t.held_to_end)
+            for t in base.shared
+        ),
         meta={
             **meta,
             "held_after_forward_bytes": base.held_after_forward_bytes,

@@ -132,7 +132,8 @@ class BaselineStep:
     All bytes are above the fixed bytes. Storages in ``shared`` are in no other
     figure: not in the prefix's, the suffix's or a unit's held bytes, nor in the
     suffix's forward peak. With a loop that keeps the model's output, the output's
-    storages made after the last unit are ``output_bytes`` and not in the suffix's.
+    storages are ``output_bytes`` and not in the prefix's or the suffix's, except the
+    last unit's output when it is the model's (``last_output_kept``).
     """
 
     units: tuple[UnitInStep, ...]
@@ -146,6 +147,8 @@ class BaselineStep:
     phase_ms: Mapping[str, float] = field(default_factory=dict)
     loss_storage_bytes: int = 0
     output_bytes: int = 0
+    grad_in_flight_bytes: int = 0
+    last_output_kept: bool = False
     shared: tuple[SharedInStep, ...] = ()
 
     @property
@@ -200,6 +203,7 @@ class _StepWatch:
         self.saved: list[tuple[Phase, int]] = []  # (saver, storage record)
         self.backward_marks: list[tuple[str, _UnitWatch, _Mark]] = []  # in the order made
         self.first_grad_tick: dict[int, int] = {}  # id(param) -> clock at its first gradient
+        self.accumulated_tick: dict[int, int] = {}  # id(param) -> clock when .grad got it
         self.side_users: dict[int, list[int]] = {}  # storage record -> units handed it
         self.handles: list[Any] = []
         self.start = self.forward_end = self.backward_end = self.mark()
@@ -249,6 +253,10 @@ class _StepWatch:
                 u.input_grad_bytes = storage_nbytes(grad)
 
         return hook
+
+    def accumulated(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: when ``param.grad`` received its gradient."""
+        self.accumulated_tick.setdefault(id(param), self.meter.clock)
 
     # -- saved tensors ------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -303,7 +311,7 @@ def instrumented_step(
     """
     loop = loop if loop is not None else Loop(keep_output=False)
     runner = StepRunner(model, batch, loss_fn, optimizer, loop, device_type)
-    meter = TimelineMeter(device_type=device_type)
+    meter = TimelineMeter(device_type=device_type, allocator=True)
     grad_records: dict[int, int] = {}  # gradient storage record -> tick it is counted from
     with meter:
         watch = _StepWatch(meter, units)
@@ -326,14 +334,19 @@ def instrumented_step(
             watch.handles.extend(
                 _hook_gradient_producers(loss, model, meter, watch.first_grad_tick)
             )
+            for p in model.parameters():
+                if p.requires_grad:
+                    watch.handles.append(p.register_post_accumulate_grad_hook(watch.accumulated))
             runner.backward(loss)
             del loss
             watch.backward_end = watch.mark()
+            in_flight: dict[int, tuple[int, int]] = {}  # record -> (first tick, tick in .grad)
             for p in model.parameters():
                 rec = meter.record_of(p.grad)
                 if rec is not None:
                     tick = watch.first_grad_tick.get(id(p), meter.records[rec].born)
                     grad_records[rec] = min(tick, grad_records.get(rec, tick))
+                    in_flight[rec] = (tick, watch.accumulated_tick.get(id(p), tick))
             runner.optimizer_step()
             del kept
         finally:
@@ -347,7 +360,12 @@ def instrumented_step(
             "profiler needs the same units to run on every step with this batch"
         )
     step = _figures(watch, is_chain, grad_records, loss_bytes, output_records)
-    return replace(step, loss_storage_bytes=loss_storage_bytes)
+    # A parameter used in two phases (an embedding tied to the LM head) has its first
+    # contribution summed in a buffer until the last phase hands the sum to .grad:
+    # when .grad is alive already, that buffer is extra, from one phase to the other.
+    grad_in_flight = sum(meter.records[rec].nbytes for rec, (first, done) in in_flight.items()
+                         if watch.backward_phase(first) != watch.backward_phase(done))
+    return replace(step, loss_storage_bytes=loss_storage_bytes, grad_in_flight_bytes=grad_in_flight)
 
 
 def _hook_gradient_producers(
@@ -420,9 +438,13 @@ def _figures(
                                          exclude=[nxt.input_record, *modelled])
     suffix_held = meter.alive_bytes(F, born_after=last.fwd_end.tick, born_until=F,
                                     exclude=modelled)
+    # What the loop keeps of the output, wherever it was made. The last unit's output,
+    # when it is the model's, is a boundary: the profile marks it kept instead. Another
+    # unit's output in the model's (all hidden states) is counted twice while held.
+    last_output_kept = last.output_record is not None and last.output_record in output_records
     output_bytes = sum(meter.records[r].nbytes for r in output_records if r is not None
-                       and meter.records[r].alive_at(F) and meter.records[r].born
-                       > last.fwd_end.tick)
+                       and r not in shared and r != last.output_record
+                       and meter.records[r].alive_at(F))
     # Storages alive when the suffix starts that are not held (the prefix's locals
     # that live until the model's forward returns, say) still weigh on the suffix's
     # peak, while simulate() counts only held bytes there: add them to its peak.
@@ -431,8 +453,7 @@ def _figures(
     transient = meter.dying_bytes(last.fwd_end.tick, F,
                                   exclude=[last.output_record, *modelled] if is_chain
                                   else modelled)
-    suffix_fwd_peak = (meter.peak_between(last.fwd_end.index, w.forward_end.index)
-                       - last.fwd_end.live_bytes + transient)
+    suffix_fwd_peak = meter.rise(last.fwd_end.index, w.forward_end.index) + transient
     forward_transient = max(
         meter.dying_bytes(u.fwd_start.tick, F, exclude=[u.input_record]) for u in units
     )
@@ -440,11 +461,9 @@ def _figures(
     # -- backward -------------------------------------------------------------------
     suffix_bwd_peak = prefix_bwd_peak = 0
     if last.bwd_start is not None:
-        suffix_bwd_peak = (meter.peak_between(w.forward_end.index, last.bwd_start.index)
-                           - w.forward_end.live_bytes)
+        suffix_bwd_peak = meter.rise(w.forward_end.index, last.bwd_start.index)
     if first.bwd_end is not None:
-        prefix_bwd_peak = (meter.peak_between(first.bwd_end.index, w.backward_end.index)
-                           - first.bwd_end.live_bytes)
+        prefix_bwd_peak = meter.rise(first.bwd_end.index, w.backward_end.index)
     unit_param_grad = [0] * len(units)
     suffix_param_grad = prefix_param_grad = 0
     for rec, tick in grad_records.items():
@@ -494,15 +513,16 @@ def _figures(
     step = BaselineStep(
         units=tuple(records),
         is_chain=is_chain,
-        prefix=OutsideFigures(prefix_held, meter.peak_between(w.start.index, first.fwd_start.index),
+        prefix=OutsideFigures(prefix_held, meter.rise(w.start.index, first.fwd_start.index),
                               prefix_bwd_peak, prefix_param_grad),
         suffix=OutsideFigures(suffix_held, suffix_fwd_peak, suffix_bwd_peak, suffix_param_grad),
-        peak_bytes=meter.peak_bytes,
+        peak_bytes=meter.overall_peak_bytes,
         held_after_forward_bytes=w.forward_end.live_bytes,
         forward_transient_bytes=forward_transient,
         loss_bytes=loss_bytes,
         phase_ms=phase_ms,
         output_bytes=output_bytes,
+        last_output_kept=last_output_kept,
         shared=tuple(shared.values()),
     )
     log.debug("baseline step: held after forward %d B, peak %d B, per-unit held in step %s",
@@ -540,14 +560,13 @@ def _keep_figures(w: _StepWatch, u: _UnitWatch, held: int) -> OptionFigures | No
     bwd_peak = 0
     if u.output_needs_grad:
         assert u.bwd_start is not None and u.bwd_end is not None
-        bwd_peak = meter.peak_between(u.bwd_start.index, u.bwd_end.index) - u.bwd_start.live_bytes
+        bwd_peak = meter.rise(u.bwd_start.index, u.bwd_end.index)
     assert u.fwd_start is not None and u.fwd_end is not None
     return OptionFigures(
         held_bytes=max(held, 0),
         holds_input=w.saved_by(u.input_record, own),
         holds_output=w.saved_by(u.output_record, own),
-        fwd_peak_bytes=meter.peak_between(u.fwd_start.index, u.fwd_end.index)
-        - u.fwd_start.live_bytes,
+        fwd_peak_bytes=meter.rise(u.fwd_start.index, u.fwd_end.index),
         bwd_peak_bytes=max(bwd_peak, 0),
         input_grad_bytes=u.input_grad_bytes,
     )

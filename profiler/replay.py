@@ -15,6 +15,8 @@ it alone, as it owns the gradient flowing in from the next unit in a real step
 Per option, in bytes above the live bytes at each point:
 
 * ``fwd_peak_bytes``: peak of the forward (the input is outside the region);
+  here and in the backward, the higher of the dispatch-level and the allocator's
+  view (which also sees kernels' scratch buffers);
 * ``held_bytes``: live after the forward once its other outputs are dropped,
   minus the output's storage;
 * ``holds_output`` / ``holds_input``: whether the output's / input's storage
@@ -139,12 +141,14 @@ def measure_option(
     x_in, leaf = _fresh_input(call)
     args, kwargs = call.inputs(x_in)
     root_grad = _root_grad(call)  # outside the region: a step's loss gradient is not ours
-    with TimelineMeter(device_type=device_type) as meter:
+    with TimelineMeter(device_type=device_type, allocator=True) as meter:
+        begin = len(meter.marks)
+        meter.mark("start")
         with autocast():
             out = forward_with_option(module, option, module.forward, args, kwargs)
             in_region = meter.live_bytes
         cache_bytes = in_region - meter.live_bytes
-        fwd = meter.mark("forward")
+        meter.mark("forward")
         y = boundary_output(out)
         del out  # other outputs die unless the unit saved them
         counted = meter.record_of(y) is not None
@@ -154,20 +158,21 @@ def measure_option(
         y_ref, x_ref = _storage_ref(y), _storage_ref(x_in)
         del y, x_in, args, kwargs
         holds_output, holds_input = _alive(y_ref), _alive(x_ref)
-        start = meter.mark("backward start")
+        meter.mark("backward start")
         if seed is not None:
             seed.backward(root_grad)
             del seed
-        bwd = meter.mark("backward")
+        meter.mark("backward")
         input_grad = storage_nbytes(leaf.grad) if leaf is not None else 0
         del leaf
         clear_grads(params)
+    # Read once the region has ended: the allocator's view is complete then.
     return OptionFigures(
         held_bytes=max(held, 0),
         holds_input=holds_input,
         holds_output=holds_output,
-        fwd_peak_bytes=fwd.peak_bytes,
-        bwd_peak_bytes=max(bwd.peak_bytes - start.live_bytes - grad_bytes, 0),
+        fwd_peak_bytes=meter.rise(begin, begin + 1),
+        bwd_peak_bytes=max(meter.rise(begin + 2, begin + 3) - grad_bytes, 0),
         input_grad_bytes=input_grad,
         forward_cache_bytes=max(cache_bytes, 0),
     )

@@ -108,8 +108,9 @@ class StepMeasurement:
             kernel scratch buffers and tensors made outside the dispatcher, such as
             checkpoint's RNG state): on CUDA ``torch.cuda.max_memory_allocated``, on
             CPU the allocation events of ``torch.profiler``. ``None`` when not measured.
-        reserved_peak_bytes: on CUDA, ``torch.cuda.max_memory_reserved`` during the
-            step: what the caching allocator took from the device. ``None`` off CUDA.
+        reserved_peak_bytes: on CUDA, ``torch.cuda.max_memory_reserved`` while the
+            allocator instrument ran: what the caching allocator took from the device
+            (fragmentation included). ``None`` off CUDA.
         cuda_peak_bytes: ``max_memory_allocated`` during the metered step minus
             ``memory_allocated`` at its start; ``None`` off CUDA.
         time_ms: median wall time of one optimizer step over ``repeats`` runs.
@@ -266,32 +267,32 @@ def measure_step(
     watch = Stopwatch(device)
     with training_session(model, optimizer) as state:
         runner = StepRunner(model, sample_batch, loss_fn, optimizer, loop, device.type)
-        carry = Carry()
-        _cycles(runner, carry, max(warmup, 1), state)
+        _cycles(runner, Carry(), max(warmup, 1), state)
         watch.sync()
         # Alive across the whole step: the fixed bytes and the gradients zero_grad keeps.
+        # Each instrument then runs two steps from an empty carry, so that everything the
+        # second step sees (what the first carries into it) was made inside the region:
+        # a dispatch meter counts only such storages, and the CPU profiler reports no
+        # frees of blocks allocated before it started.
         fixed = fixed_bytes(model, optimizer) + grad_bytes(model)
         with MemoryMeter(device_type=device.type) as meter:
-            _cycles(runner, carry, 2, state)
+            _cycles(runner, Carry(), 2, state)
             peak = meter.peak_bytes
         cuda_peak = meter.cuda_peak_bytes
         alloc_peak = reserved = None
         if allocator:
-            # What is alive when the instrument starts (the fixed bytes and what the
-            # loop carries from the last step) plus the allocator's highest running sum.
-            start = fixed + _carried_bytes(carry)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-                base_reserved = torch.cuda.memory_reserved()
-            alloc_peak = start + allocator_peak(
-                lambda c=carry: _cycles(runner, c, 2, state), device_type=device.type)
+            alloc_peak = fixed + allocator_peak(lambda: _cycles(runner, Carry(), 2, state),
+                                                device_type=device.type)
             if device.type == "cuda":
-                reserved = torch.cuda.max_memory_reserved() - base_reserved + start
+                reserved = torch.cuda.max_memory_reserved()
         with MemoryMeter(device_type=device.type) as meter:
             output, loss = runner.forward()
+            if not loop.keep_output:
+                del output
             held = meter.live_bytes
-            del output, loss
-        del carry
+        del loss
         clear_grads(state.params)
         times = time_steps(runner, state, watch, warmup=0, repeats=repeats)
     result = StepMeasurement(
@@ -307,10 +308,3 @@ def measure_step(
              loop.describe(), result.peak_bytes, result.allocator_peak_bytes, fixed,
              result.time_ms)
     return result
-
-
-def _carried_bytes(carry: Carry) -> int:
-    """Bytes of the distinct storages the loop's variables hold between steps."""
-    from remat.profiler.loop import output_tensors
-
-    return tensor_storage_bytes([*output_tensors(carry.output), carry.loss])

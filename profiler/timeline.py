@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from remat.allocator import AllocatorTimeline
 from remat.meter import MemoryMeter, MeterMark
 
 __all__ = ["StorageRecord", "TimelineMeter"]
@@ -38,10 +39,16 @@ class TimelineMeter(MemoryMeter):
     storage was not allocated in the region: parameters, the batch...), and
     ``ticks[label]`` the clock at each mark, so figures like "bytes allocated
     before mark A that are alive at mark B" can be computed after the fact.
+
+    With ``allocator=True`` the allocator's view is recorded at the same marks
+    (:class:`~remat.allocator.AllocatorTimeline`), and :meth:`rise` takes the higher
+    of the two views of a transient peak: the allocator also sees kernels' scratch
+    buffers, the storages the dispatch level sees tell who holds what.
     """
 
-    def __init__(self, *, device_type: str | None = None) -> None:
+    def __init__(self, *, device_type: str | None = None, allocator: bool = False) -> None:
         super().__init__(device_type=device_type)
+        self.allocator = AllocatorTimeline(device_type or "cpu") if allocator else None
         self.clock = 0
         self.records: list[StorageRecord] = []
         self._live_record: dict[int, int] = {}  # id(storage) -> index into records
@@ -67,8 +74,20 @@ class TimelineMeter(MemoryMeter):
                 self.clock += 1
                 self.records[index].died = self.clock
 
+    def __enter__(self) -> TimelineMeter:
+        if self.allocator is not None:
+            self.allocator.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if self.allocator is not None:
+            self.allocator.__exit__(*exc)
+
     def mark(self, label: str = "") -> MeterMark:
         """As :meth:`MemoryMeter.mark`; also remembers the clock and the reading by label."""
+        if self.allocator is not None:
+            self.allocator.mark()
         reading = super().mark(label)
         self.ticks[label] = self.clock
         self.readings[label] = reading
@@ -106,6 +125,23 @@ class TimelineMeter(MemoryMeter):
             for i, r in enumerate(self.records)
             if r.alive_at(at) and r.died is not None and r.died <= by and i not in skip
         )
+
+    @property
+    def overall_peak_bytes(self) -> int:
+        """The region's peak above its start: the higher of the two views."""
+        peak = self.peak_bytes
+        if self.allocator is not None and self.allocator.peak:
+            peak = max(peak, *self.allocator.peak)
+        return peak
+
+    def rise(self, start: int, end: int) -> int:
+        """Highest live bytes after mark ``start`` up to mark ``end``, above the live bytes
+        at ``start`` (marks by index): the higher of the dispatch-level and, once the
+        region has ended, the allocator's view."""
+        rise = self.peak_between(start, end) - self.marks[start].live_bytes
+        if self.allocator is not None:
+            rise = max(rise, self.allocator.rise(start, end))
+        return rise
 
     def peak_between(self, start: str | int, end: str | int) -> int:
         """Highest live bytes after mark ``start`` up to mark ``end`` (marks in between count).

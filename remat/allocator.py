@@ -20,14 +20,22 @@ bytes allocated when the step started. On CUDA the caching allocator keeps the f
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-__all__ = ["AllocationEvent", "allocation_events", "allocator_peak", "peak_of"]
+__all__ = [
+    "AllocationEvent",
+    "AllocatorTimeline",
+    "allocation_events",
+    "allocator_peak",
+    "peak_of",
+]
 
 
 @dataclass(frozen=True)
@@ -101,3 +109,84 @@ def allocator_peak(step_fn: Callable[[], object], device_type: str = "cpu") -> i
     if device_type == "cuda":
         return _cuda_peak(step_fn)
     return peak_of(allocation_events(step_fn), device_type)
+
+
+_MARK = "remat.allocator.mark."
+
+
+@dataclass
+class AllocatorTimeline:
+    """The allocator's view of a region, cut at marks: live bytes at each mark and the
+    highest live bytes between two marks, relative to the region's start.
+
+    It sees what a dispatch-level meter cannot: kernels' scratch buffers (oneDNN and
+    cuDNN workspaces, a loss kernel's temporaries) and tensors made outside the
+    dispatcher. On CUDA each :meth:`mark` reads the caching allocator's counters and
+    resets its peak; on CPU the region runs under ``torch.profiler`` with memory
+    profiling, each mark is a ``record_function`` event, and the figures are read from
+    the event stream when the region ends. Only one ``torch.profiler`` may run at a
+    time, so CPU timelines do not nest.
+    """
+
+    device_type: str = "cpu"
+    live: list[int] = field(default_factory=list)  # at each mark, above the start
+    peak: list[int] = field(default_factory=list)  # since the previous mark (or the start)
+    _prof: Any = None
+    _stack: contextlib.ExitStack | None = None
+    _cuda_start: int = 0
+
+    def __enter__(self) -> AllocatorTimeline:
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._cuda_start = torch.cuda.memory_allocated()
+        else:
+            self._stack = contextlib.ExitStack()
+            self._prof = self._stack.enter_context(
+                profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+        return self
+
+    def mark(self) -> int:
+        """Record a mark; returns its index (the order of :meth:`mark` calls)."""
+        index = len(self.live)
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+            self.live.append(torch.cuda.memory_allocated() - self._cuda_start)
+            self.peak.append(torch.cuda.max_memory_allocated() - self._cuda_start)
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with record_function(f"{_MARK}{index}"):
+                pass
+            self.live.append(0)
+            self.peak.append(0)
+        return index
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stack is None:
+            return
+        self._stack.close()
+        self._read_cpu_events()
+
+    def _read_cpu_events(self) -> None:
+        stream: list[tuple[int, int, int]] = []  # (time, 0 = allocation / 1 = mark, value)
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            if event.tag == _EventType.Allocation:
+                if event.extra_fields.device.type == "cpu":
+                    stream.append((event.start_time_ns, 0, event.extra_fields.alloc_size))
+            elif event.name.startswith(_MARK):
+                stream.append((event.start_time_ns, 1, int(event.name[len(_MARK):])))
+            stack.extend(event.children)
+        running = peak = 0
+        for _, kind, value in sorted(stream):
+            if kind == 0:
+                running += value
+                peak = max(peak, running)
+            elif value < len(self.live):
+                self.live[value], self.peak[value] = running, peak
+                peak = running
+
+    def rise(self, start: int, end: int) -> int:
+        """Highest live bytes after mark ``start`` up to mark ``end``, above mark ``start``."""
+        return max([self.live[start]] + self.peak[start + 1 : end + 1]) - self.live[start]

@@ -13,9 +13,13 @@ that existed before ``__enter__`` are outside the measurement, so the figures ar
 deltas over the region, which is what a planner needs.
 
 What it cannot see: scratch buffers that kernels allocate internally without
-going through the dispatcher (e.g. a backward matmul's contiguous copy). On CUDA
-the allocator's own ``memory_allocated`` / ``max_memory_allocated`` deltas are
-reported beside the dispatch-level figures, so both views can be compared.
+going through the dispatcher (e.g. a backward matmul's contiguous copy, oneDNN's
+convolution workspaces). On CUDA the allocator's own ``memory_allocated`` /
+``max_memory_allocated`` deltas are reported beside the dispatch-level figures, so
+both views can be compared (:mod:`remat.allocator` gives the allocator's view on
+CPU too). One tensor made outside the dispatcher it does count: the CPU RNG state
+that ``torch.utils.checkpoint`` stashes per region (``torch.get_rng_state()``,
+about 5 KB), by wrapping that function while the meter is active.
 """
 
 from __future__ import annotations
@@ -141,12 +145,20 @@ class MemoryMeter(TorchDispatchMode):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self._cuda_start = torch.cuda.memory_allocated()
+        self._get_rng_state = torch.get_rng_state
+        torch.get_rng_state = self._tracked_rng_state
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         if self._cuda_start is not None:
             torch.cuda.synchronize()
+        torch.get_rng_state = self._get_rng_state
         super().__exit__(*exc)
+
+    def _tracked_rng_state(self) -> torch.Tensor:
+        state = self._get_rng_state()
+        self._track(state, aliased=False)
+        return state
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))

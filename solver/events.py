@@ -208,8 +208,10 @@ def _shared_alive_in_backward(profile: Profile) -> tuple[int, ...]:
 
 
 def _suffix_bwd_const(profile: Profile) -> int:
-    """What no plan changes at the suffix's backward (the loss is not made yet)."""
-    return (profile.fixed_bytes + profile.prefix.held_bytes + profile.output_bytes
+    """What no plan changes at the suffix's backward (the loss is not made yet; on a
+    chain the last unit's output is the end's own term, see :func:`_end_need`)."""
+    kept = 0 if profile.is_chain else profile.kept_last_output_bytes
+    return (profile.fixed_bytes + profile.prefix.held_bytes + profile.output_bytes + kept
             + _param_grads_at_start(profile) + sum(t.nbytes for t in profile.shared))
 
 
@@ -220,7 +222,8 @@ def _bwd_constants(profile: Profile) -> tuple[int, ...]:
     n = len(units)
     shared = _shared_alive_in_backward(profile)
     base = profile.fixed_bytes + profile.prefix.held_bytes + profile.loss_bytes
-    base += profile.output_bytes
+    base += profile.output_bytes + profile.kept_last_output_bytes
+    base += profile.extra_grad_in_flight_bytes
     at_start = profile.grads_alive_at_start
     later_pgrad = profile.grad_bytes if at_start else profile.suffix.param_grad_bytes
     out: list[int] = [0] * n
@@ -241,7 +244,8 @@ def _floor_bytes(profile: Profile) -> int:
     first = profile.units[0]
     at_start = profile.grads_alive_at_start
     to_end = _shared_alive_in_backward(profile)[profile.n]
-    kept = profile.loss_bytes + profile.output_bytes + to_end
+    kept = (profile.loss_bytes + profile.output_bytes + profile.kept_last_output_bytes
+            + to_end)
     grads_then = profile.grad_bytes - (0 if at_start else profile.prefix.param_grad_bytes)
     prefix_bwd = (
         fixed
@@ -249,6 +253,7 @@ def _floor_bytes(profile: Profile) -> int:
         + grads_then
         + profile.prefix.bwd_peak_bytes
         + kept
+        + profile.extra_grad_in_flight_bytes
     )
     if profile.is_chain:
         # The prefix's hold on unit 0's input outlives unit 0, and so does its gradient.
@@ -269,12 +274,14 @@ def _chain_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
         if o is None:
             continue
         fwd = c + unit.input_bytes + o.fwd_peak_bytes
+        # A last output the loop keeps is in D already.
+        holds_out = o.holds_output and not (i == profile.n - 1 and profile.last_output_kept)
         for p in (0, 1):
             held_in = unit.input_bytes if (p or o.holds_input) else 0
             bwd = (
                 o.held_bytes
                 + held_in
-                + (unit.output_bytes if o.holds_output else 0)
+                + (unit.output_bytes if holds_out else 0)
                 + o.bwd_peak_bytes
                 + d
             )
@@ -294,13 +301,16 @@ def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
         if o is None:
             continue
         held_in = unit.input_bytes if (o.holds_input or unit.input_held_outside) else 0
+        # A last output the loop keeps is in the constants (D, the suffix's) already.
+        kept = i == profile.n - 1 and profile.last_output_kept
         held_out = unit.output_bytes if (o.holds_output or unit.output_held_outside) else 0
+        held_out = 0 if kept else held_out
         fwd = c + unit.input_bytes + o.fwd_peak_bytes
         # The outside's hold on the output ends before the unit's backward starts.
         bwd = (
             o.held_bytes
             + held_in
-            + (unit.output_bytes if o.holds_output else 0)
+            + (unit.output_bytes if o.holds_output and not kept else 0)
             + o.bwd_peak_bytes
             + d
         )
@@ -313,13 +323,14 @@ def _end_need(profile: Profile, c_fwd: int, c_bwd: int) -> tuple[int, int]:
     """The suffix's forward / backward events minus ``A_n``, per flag of the last unit."""
     s = profile.suffix
     if not profile.is_chain:
-        need = max(c_fwd + s.fwd_peak_bytes, c_bwd + s.held_bytes + s.bwd_peak_bytes)
+        kept = profile.kept_last_output_bytes  # in c_bwd already
+        need = max(c_fwd + kept + s.fwd_peak_bytes, c_bwd + s.held_bytes + s.bwd_peak_bytes)
         return (need, need)
     last = profile.units[-1]
     out = last.output_bytes
     needs = []
     for q in (0, 1):
-        held = out if (q or last.output_held_outside) else 0
+        held = out if (q or last.output_held_outside or profile.last_output_kept) else 0
         needs.append(max(c_fwd + out + s.fwd_peak_bytes,
                          c_bwd + held + s.held_bytes + s.bwd_peak_bytes))
     return (needs[0], needs[1])

@@ -202,7 +202,14 @@ def _free_boundary_bytes(profile: Profile, v: _Vars, i: int) -> LinearExpr:
     unit = profile.units[i]
     held_in: LinearExpr = 1 if unit.input_held_outside else _holds_input(profile, v, i)
     held_out: LinearExpr = 1 if unit.output_held_outside else _holds_output(profile, v, i)
+    if _kept_by_loop(profile, i):
+        held_out = 0  # in the constants, alive to the end
     return unit.input_bytes * held_in + unit.output_bytes * held_out
+
+
+def _kept_by_loop(profile: Profile, i: int) -> bool:
+    """Unit i's output is the model's, which the loop keeps to the end of the step."""
+    return i == profile.n - 1 and profile.last_output_kept
 
 
 def _held_recurrence(m: cp_model.CpModel, profile: Profile, v: _Vars) -> None:
@@ -250,7 +257,7 @@ def _backward_events(
         d = model.bwd_const[i]
         terms = []
         for o, cost in unit.options.items():
-            out = unit.output_bytes if cost.holds_output else 0
+            out = unit.output_bytes if cost.holds_output and not _kept_by_loop(profile, i) else 0
             rest = cost.held_bytes + out + cost.bwd_peak_bytes + d
             if not profile.is_chain and (cost.holds_input or unit.input_held_outside):
                 rest += unit.input_bytes
@@ -297,12 +304,13 @@ def _suffix_events(
     a_n = v.held_before[profile.n]
     c_fwd, c_bwd = model.fwd_const[profile.n], model.suffix_bwd_const
     if not profile.is_chain:
-        m.add(a_n + c_fwd + s.fwd_peak_bytes <= budget)
+        kept = profile.kept_last_output_bytes  # in c_bwd already
+        m.add(a_n + c_fwd + kept + s.fwd_peak_bytes <= budget)
         m.add(a_n + c_bwd + s.held_bytes + s.bwd_peak_bytes <= budget)
         return
     out = profile.units[-1].output_bytes
     m.add(a_n + c_fwd + out + s.fwd_peak_bytes <= budget)
-    held_out = out * v.held_boundary[profile.n]
+    held_out = out if profile.last_output_kept else out * v.held_boundary[profile.n]
     m.add(a_n + c_bwd + held_out + s.held_bytes + s.bwd_peak_bytes <= budget)
 
 

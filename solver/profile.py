@@ -341,9 +341,17 @@ class Profile:
         output_bytes: the model output's storages the loop keeps from the end of the
             forward pass to the end of the step (with ``loop.keep_output``; the loss
             aside, which ``loss_bytes`` counts).
+        last_output_kept: the loop keeps the last unit's output, which is the model's
+            output (``nn.Sequential`` with a ``loss_fn``), from the unit's forward to
+            the end of the step, whoever else holds it.
         carried_bytes: what the loop's variables keep from the previous iteration
             while the next forward runs: the last loss's storage, and the last
             output with ``loop.keep_output``.
+        grad_in_flight_bytes: partial gradients of parameters used in two phases (an
+            embedding tied to the LM head): summed in a buffer from the suffix's
+            backward until the prefix's hands the sum to ``.grad``. They are the
+            parameter's gradient itself when ``.grad`` is ``None``; when the loop keeps
+            gradients alive (``grads_alive_at_start``) they are extra bytes.
         shared: tensors handed to units besides their boundary input
             (:class:`SharedTensor`); in no other figure.
 
@@ -372,6 +380,8 @@ class Profile:
     output_bytes: int = 0
     carried_bytes: int = 0
     shared: tuple[SharedTensor, ...] = ()
+    last_output_kept: bool = False
+    grad_in_flight_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", checked_list(self.units, "Profile.units", ProfileError))
@@ -396,7 +406,8 @@ class Profile:
             if not isinstance(getattr(self, name), OutsideCost):
                 kind = type(getattr(self, name)).__name__
                 raise ProfileError(f"Profile.{name} must be an OutsideCost, got {kind}")
-        _check_fields(self, ints=_PROFILE_INTS, bools=("is_chain",), floats=("step_ms",))
+        _check_fields(self, ints=_PROFILE_INTS, bools=("is_chain", "last_output_kept"),
+                      floats=("step_ms",))
         if self.measured_peak_bytes is not None:
             _set(self, "measured_peak_bytes", checked_bytes(
                 self.measured_peak_bytes, "Profile.measured_peak_bytes", ProfileError))
@@ -433,6 +444,16 @@ class Profile:
             + self.suffix.param_grad_bytes
             + sum(u.param_grad_bytes for u in self.units)
         )
+
+    @property
+    def extra_grad_in_flight_bytes(self) -> int:
+        """Partial-gradient bytes that are extra in this loop (see ``grad_in_flight_bytes``)."""
+        return self.grad_in_flight_bytes if self.grads_alive_at_start else 0
+
+    @property
+    def kept_last_output_bytes(self) -> int:
+        """The last unit's output bytes when the loop keeps it to the end, else 0."""
+        return self.units[-1].output_bytes if self.last_output_kept else 0
 
     def step_time_ms(self, extra_ms: float) -> float:
         """One optimizer step's time when each micro-batch adds ``extra_ms`` (the sum of
@@ -593,6 +614,7 @@ _PROFILE_INTS = (
     "loss_bytes",
     "output_bytes",
     "carried_bytes",
+    "grad_in_flight_bytes",
 )
 
 

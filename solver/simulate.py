@@ -27,7 +27,8 @@ The rules it encodes:
 * The loop (``profile.loop``) adds what it keeps alive: the previous iteration's
   loss and output (``carried_bytes``) through the forward pass, until the new
   output is made; the new output (``output_bytes``) from the end of the forward
-  pass to the end of the step; every parameter gradient from the start, when the
+  pass to the end of the step (and the last unit's output, when it is the model's
+  and the loop keeps it: ``last_output_kept``); every parameter gradient from the start, when the
   loop accumulates micro-batches or zeroes gradients in place (backward then adds
   to them instead of allocating them); autocast's weight casts
   (``autocast_cache_bytes``) from each unit's forward to the end of the forward.
@@ -226,6 +227,8 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
 
     def out_holders(i: int) -> set[str]:
         h = {f"u{i}"} if cost[i].holds_output else set()
+        if i == n - 1 and profile.last_output_kept:
+            h.add("loop")  # never dropped: alive to the end of the step
         if chain and i < n - 1:
             if cost[i + 1].holds_input:
                 h.add(f"u{i + 1}")
@@ -267,6 +270,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     # The caller's loss and the seed gradient outlive the suffix's other held bytes.
     r.allocate(profile.loss_bytes)
     r.param_grad(profile.suffix.param_grad_bytes)
+    r.allocate_grad(profile.extra_grad_in_flight_bytes)  # a tied weight's partial sum
     if chain:
         r.drop_holder(out_key(n - 1), "suffix")
         r.allocate_grad(units[n - 1].output_bytes)  # the gradient of the last unit's output
@@ -285,6 +289,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
         i = done[-1] - 1
 
     r.event("backward prefix", profile.prefix.bwd_peak_bytes)
+    r.free_grad(profile.extra_grad_in_flight_bytes)
     r.free(profile.prefix.held_bytes)
     if chain:
         r.drop_holder(in_key(0), "prefix")

@@ -20,7 +20,9 @@ HAS_TRANSFORMERS: bool = importlib.util.find_spec("transformers") is not None
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the ``transformers`` marker (``gpu`` is registered in pyproject.toml)."""
+    """Register the ``transformers`` marker (``gpu`` is registered in pyproject.toml);
+    one intra-op thread for the whole session, fixtures included."""
+    torch.set_num_threads(1)
     config.addinivalue_line(
         "markers", "transformers: needs the optional transformers package (skipped without it)"
     )
@@ -52,7 +54,9 @@ def has_transformers() -> bool:
 def _one_intra_op_thread() -> Iterator[None]:
     # The test models are tiny: with several intra-op threads on a loaded 2-core
     # machine the threads spin against each other and a millisecond step takes
-    # seconds. Results do not depend on it (CPU kernels here are deterministic).
+    # seconds. Results do not depend on it (CPU kernels here are deterministic), but
+    # kernels' scratch memory does (oneDNN keeps some per thread), so module-scoped
+    # fixtures that profile run with one thread too (see pytest_configure).
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

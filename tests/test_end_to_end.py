@@ -1,10 +1,10 @@
 """solve -> apply_plan -> train: the plan fits its budget and the prediction holds.
 
 These are the properties users rely on, checked on the reference models with
-real measurements: the measured peak of a planned step never exceeds the budget,
-and simulate()'s predicted peak is within 3% of the measured one (CPU, the
-dispatch-level meter). Step time is not asserted (no wall-clock thresholds in
-tests): the benchmark reports it.
+real measurements: the measured peak of a planned step never exceeds the budget on
+either instrument (the dispatch-level meter and the allocator's view), and
+simulate()'s predicted peak is within 1% of the allocator's view. Step time is not
+asserted (no wall-clock thresholds in tests): the benchmark reports it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import remat
 from remat import models
 from remat.solver.pareto import min_feasible_peak
 
-PEAK_TOLERANCE = 0.03
+PEAK_TOLERANCE = 0.01
 # Tiny models with activations large enough that checkpointing matters: their
 # smallest feasible peak is 51-65% of the no-checkpoint peak, so every budget
 # fraction below is a real test, not the infeasible branch.
@@ -59,9 +59,11 @@ def test_plan_meets_budget_and_prediction_holds(reference, fraction):
         measured = remat.measure(ref.model, ref.batch, loss_fn=ref.loss_fn, repeats=1)
     finally:
         remat.remove_plan(ref.model)
-    assert measured.peak_bytes <= budget
-    error = abs(plan.predicted_peak_bytes - measured.peak_bytes) / measured.peak_bytes
-    assert error <= PEAK_TOLERANCE, (plan.summary(), plan.predicted_peak_bytes, measured.peak_bytes)
+    assert measured.peak_bytes <= budget and measured.allocator_peak_bytes <= budget
+    error = (abs(plan.predicted_peak_bytes - measured.allocator_peak_bytes)
+             / measured.allocator_peak_bytes)
+    assert error <= PEAK_TOLERANCE, (
+        plan.summary(), plan.predicted_peak_bytes, measured.allocator_peak_bytes)
 
 
 def test_solve_from_model_equals_solve_from_profile():

@@ -2,8 +2,10 @@
 
 For every option and for multi-unit segments, on the reference models: the bytes
 held after the forward pass (the meter) equal simulate()'s prediction within 2%,
-and the step's peak within 3%. This joins the three stages: the profiler's
-numbers, the solver's simulator and the runtime's behaviour.
+and the step's peak (the allocator's view, which also sees kernels' scratch
+buffers) within 1%; the dispatch-level peak is never above the prediction. This
+joins the three stages: the profiler's numbers, the solver's simulator and the
+runtime's behaviour.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from remat import models
 from remat.solver.plan import Plan
 
 HELD_TOLERANCE = 0.02
-PEAK_TOLERANCE = 0.03
+PEAK_TOLERANCE = 0.01
 SIZES = {
     "mlp": {"batch_size": 256},
     "cnn": {"batch_size": 32, "image_size": 16, "blocks_per_stage": 2},
@@ -60,7 +62,8 @@ def test_measured_memory_matches_simulate(profiled, plan_name):
     assert abs(held - measured_held) <= HELD_TOLERANCE * measured_held, (
         plan.summary(), held, measured_held
     )
-    peak, measured_peak = predicted.peak_bytes, measured.peak_bytes
+    peak, measured_peak = predicted.peak_bytes, measured.allocator_peak_bytes
     assert abs(peak - measured_peak) <= PEAK_TOLERANCE * measured_peak, (
         plan.summary(), predicted.peak_event, peak, measured_peak
     )
+    assert measured.peak_bytes <= peak

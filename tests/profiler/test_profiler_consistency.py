@@ -24,7 +24,8 @@ from remat.runtime.options import forward_with_option
 from remat.solver import Plan, simulate
 
 HELD_TOLERANCE = 0.02
-PEAK_TOLERANCE = 0.03
+PEAK_TOLERANCE = 0.01  # against the allocator's view, which the profile predicts
+RNG = torch.get_rng_state().untyped_storage().nbytes()  # checkpoint stashes one per region
 
 
 def _run(module: nn.Module, option: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
@@ -72,12 +73,12 @@ def test_keep_all_matches_the_measured_step(reference) -> None:
     measured = measure_step(ref.model, ref.batch, loss_fn=ref.loss_fn, repeats=1, warmup=0)
     sim = simulate(p, Plan.keep_all([u.name for u in p.units]))
     held_err = _relative(sim.held_after_forward_bytes, measured.held_after_forward_bytes)
-    peak_err = _relative(sim.peak_bytes, measured.peak_bytes)
+    peak_err = _relative(sim.peak_bytes, measured.allocator_peak_bytes)
     assert held_err <= HELD_TOLERANCE, (sim.held_after_forward_bytes, measured)
     assert peak_err <= PEAK_TOLERANCE, (sim.peak_bytes, sim.peak_event, measured)
     # The instrumented step inside profile() measured the same step.
     assert p.meta["held_after_forward_bytes"] == measured.held_after_forward_bytes
-    assert p.measured_peak_bytes == measured.peak_bytes
+    assert p.measured_peak_bytes == measured.worst_peak_bytes
     assert p.fixed_bytes == measured.fixed_bytes
 
 
@@ -92,12 +93,14 @@ def test_planned_steps_match_simulate(reference) -> None:
             _relative(sim.held_after_forward_bytes, measured.held_after_forward_bytes)
             <= HELD_TOLERANCE
         ), (plan.summary(), sim.held_after_forward_bytes, measured)
-        assert _relative(sim.peak_bytes, measured.peak_bytes) <= PEAK_TOLERANCE, (
+        assert _relative(sim.peak_bytes, measured.allocator_peak_bytes) <= PEAK_TOLERANCE, (
             plan.summary(), sim.peak_bytes, sim.peak_event, measured,
         )
-        # Checkpointing holds less than keeping everything.
+        # Checkpointing holds less than keeping everything, but for the RNG state it
+        # stashes per region (which outweighs a tiny unit's activations).
         if plan.options[0] == "checkpoint" and len(set(plan.options)) == 1:
-            assert measured.held_after_forward_bytes < p.meta["held_after_forward_bytes"]
+            assert (measured.held_after_forward_bytes - p.n * RNG
+                    < p.meta["held_after_forward_bytes"])
 
 
 def test_off_chain_model_matches_simulate() -> None:
@@ -141,6 +144,6 @@ def test_off_chain_model_matches_simulate() -> None:
             _relative(sim.held_after_forward_bytes, measured.held_after_forward_bytes)
             <= HELD_TOLERANCE
         ), (plan.summary(), sim.held_after_forward_bytes, measured)
-        assert _relative(sim.peak_bytes, measured.peak_bytes) <= PEAK_TOLERANCE, (
+        assert _relative(sim.peak_bytes, measured.allocator_peak_bytes) <= PEAK_TOLERANCE, (
             plan.summary(), sim.peak_bytes, measured,
         )

@@ -20,6 +20,7 @@ from remat.profiler.step import forward_loss
 from remat.profiler.timing import Stopwatch, settled
 from remat.profiler.twins import signature
 from remat.profiler.units import discover_units
+from remat.solver.loop import Loop
 
 # ---------------------------------------------------------------- settled()
 
@@ -174,8 +175,10 @@ def _profile_stack(caplog: pytest.LogCaptureFixture, *, extra_on: int | None, po
         caplog.clear()
         # Not out.sum(): its gradient is an expanded scalar, so the last block's
         # backward (measured in the step) would allocate differently from the others'.
+        # Nor a loop that keeps the output: the last block's backward then runs with it
+        # alive, where the others' inputs are freed.
         prof = profile(model, x, loss_fn=lambda out, batch: (out * out).mean(), repeats=3,
-                       tolerance=0.0, pool_twins=pool)
+                       tolerance=0.0, pool_twins=pool, loop=Loop(keep_output=False))
     groups = [r for r in caplog.records if r.getMessage().startswith("timed ")]
     return prof, groups
 

@@ -119,12 +119,14 @@ def test_segment_memory_measured() -> None:
 
     all_ckpt = dict.fromkeys(names, "checkpoint")
     per_unit = held(Plan.checkpoint_all(names))
-    # Unit 0's input is the batch, allocated before the meter: n - 1 inputs differ.
+    # Unit 0's input is the batch, allocated before the meter: n - 1 inputs differ. Each
+    # checkpoint region also stashes the RNG state, once per segment.
+    rng = torch.get_rng_state().untyped_storage().nbytes()
     assert per_unit - held(Plan.from_options(names, all_ckpt, segments=[(0, n - 1)])) == (
-        (n - 1) * act
+        (n - 1) * (act + rng)
     )
     assert per_unit - held(Plan.from_options(names, all_ckpt, segments=[(0, 1), (3, 5)])) == (
-        3 * act
+        3 * (act + rng)
     )
 
 

@@ -229,6 +229,8 @@ def loop_figures(draw: st.DrawFn, n: int) -> dict:
         "carried_bytes": draw(st.sampled_from([0, draw(_bytes)])),
         "output_bytes": draw(st.sampled_from([0, draw(_bytes)])),
         "shared": tuple(shared),
+        "last_output_kept": draw(st.booleans()),
+        "grad_in_flight_bytes": draw(st.sampled_from([0, draw(_bytes)])),
     }
 
 
