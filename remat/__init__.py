@@ -3,6 +3,7 @@
 from importlib import import_module
 
 from remat.errors import BudgetError, InfeasibleBudgetError, PlanMismatchError, RematError
+from remat.solver.loop import Loop
 from remat.solver.plan import Plan
 from remat.solver.profile import Option, Profile
 from remat.solver.simulate import simulate
@@ -14,7 +15,7 @@ _LAZY = {
     "solve": "remat.api", "pareto": "remat.api", "plot_pareto": "remat.plot",
     "compile_planned": "remat.compiled",
 }
-__all__ = ["BudgetError", "InfeasibleBudgetError", "Option", "Plan", "PlanMismatchError",
+__all__ = ["BudgetError", "InfeasibleBudgetError", "Loop", "Option", "Plan", "PlanMismatchError",
            "Profile", "RematError", "simulate", *_LAZY]
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from remat.errors import RematError
+from remat.solver.loop import Loop
 from remat.solver.plan import Plan
 from remat.solver.profile import Profile
 
@@ -34,6 +35,7 @@ def _as_profile(
     optimizer: Any,
     units: Any,
     options: Sequence[str] | None,
+    loop: Loop | None = None,
 ) -> Profile:
     if isinstance(model_or_profile, Profile):
         return model_or_profile
@@ -51,6 +53,7 @@ def _as_profile(
         optimizer=optimizer,
         units=units,
         options=options,
+        loop=loop,
     )
 
 
@@ -64,6 +67,9 @@ def solve(
     optimizer: Any = None,
     units: Any = None,
     options: Sequence[str] | None = None,
+    loop: Loop | None = None,
+    verify: bool = True,
+    verify_rounds: int = 3,
     compiled: bool = False,
     compile_options: Mapping[str, Any] | None = None,
     **solver_params: Any,
@@ -88,6 +94,17 @@ def solve(
         units: which modules may be checkpointed (names, a class, or a
             predicate ``(name, module) -> bool``); default: discovered blocks.
         options: the options to consider (default: all the device offers).
+        loop: the training loop the budget must hold for
+            (:class:`remat.Loop`: gradient accumulation, whether the loop keeps the
+            output through backward, autocast, a gradient scaler,
+            ``zero_grad(set_to_none=...)``); default ``remat.Loop()``, a plain loop
+            that keeps the output. ``remat.Loop.hf_trainer(args)`` is Hugging Face's.
+        verify: with a model and a budget, apply the plan, measure one real step of
+            the loop (the higher of the dispatch-level meter and the allocator's
+            view), and when it is over the budget solve again for a budget lowered by
+            the excess (:mod:`remat.verify`). The plan records the measured peak.
+            ``False`` skips it (the plan then carries only its prediction).
+        verify_rounds: the most plans verification measures.
         compiled: the model will train under ``torch.compile``: choose the fastest
             plan of the optimal frontier, and inductor ``activation_memory_budget``,
             whose *compiled* step, measured with the allocator, fits the budget
@@ -121,6 +138,7 @@ def solve(
         optimizer=optimizer,
         units=units,
         options=options,
+        loop=loop,
     )
     if compiled:
         from remat.compiled import solve_compiled
@@ -131,6 +149,18 @@ def solve(
     from remat.solver.solve import solve_profile
 
     plan = solve_profile(prof, memory_budget, method=method, **solver_params)
+    if verify and plan.budget_bytes is not None and not isinstance(model_or_profile, Profile):
+        from remat.verify import measure_plan, verified
+
+        model = model_or_profile
+        plan = verified(
+            plan, plan.budget_bytes,
+            lambda budget: solve_profile(prof, budget, method=method, **solver_params)
+            .with_(budget_bytes=plan.budget_bytes),
+            lambda candidate: measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
+                                           optimizer=optimizer, loop=prof.loop),
+            rounds=verify_rounds,
+        )
     log.info(
         "remat: %s plan (%s), predicted peak %d B, step %.1f ms",
         plan.algorithm,
@@ -152,6 +182,7 @@ def pareto(
     optimizer: Any = None,
     units: Any = None,
     options: Sequence[str] | None = None,
+    loop: Loop | None = None,
 ) -> pd.DataFrame:
     """The optimal memory/time frontier, from the smallest feasible peak to no checkpointing.
 
@@ -168,6 +199,7 @@ def pareto(
         optimizer=optimizer,
         units=units,
         options=options,
+        loop=loop,
     )
     from remat.solver.pareto import pareto_frontier
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from remat.errors import PlanError, PlanMismatchError
+from remat.errors import PlanError, PlanMismatchError, RematError
 from remat.solver.field_checks import (
     MAX_INT64,
     checked_bytes,
@@ -27,11 +27,12 @@ from remat.solver.json_io import (
     refuse_other_kind,
     write_json,
 )
+from remat.solver.loop import Loop
 from remat.solver.profile import OPTION_ORDER, Option
 
 __all__ = ["PLAN_SCHEMA_VERSION", "Plan", "Status"]
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2  # 2: the loop, and what closed-loop verification measured
 
 
 class Status:
@@ -70,6 +71,15 @@ class Plan:
             ``torch._functorch.config.activation_memory_budget`` it was measured with
             (inductor's own recomputation; 1.0 is its default): compile it with
             :func:`remat.compile_planned`, which sets it.
+        loop: the training loop the plan was solved for
+            (:class:`~remat.solver.loop.Loop`; ``None`` for a manual plan).
+        measured_peak_bytes, measured_time_ms: the peak (the higher of the
+            dispatch-level meter's and the allocator's) and the time of one optimizer
+            step with the plan applied, when :func:`remat.solve` verified it.
+        verify_rounds: how many plans :func:`remat.solve` measured before this one
+            met the budget (0: not verified).
+        solved_budget_bytes: the budget the solver was last run with: ``budget_bytes``
+            less what earlier rounds measured above it (``None``: not verified).
 
     A field of the wrong type (a string where a list belongs, a float or bool where
     an int does, NaN, a negative figure) is a :class:`PlanError` at construction.
@@ -90,6 +100,11 @@ class Plan:
     compiled_peak_bytes: int | None = None
     compiled_time_ms: float | None = None
     activation_memory_budget: float | None = None
+    loop: Loop | None = None
+    measured_peak_bytes: int | None = None
+    measured_time_ms: float | None = None
+    verify_rounds: int = 0
+    solved_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _set(self, "unit_names", checked_strings(self.unit_names, "Plan.unit_names", PlanError))
@@ -98,6 +113,8 @@ class Plan:
         if self.unit_types is not None:
             _set(self, "unit_types", checked_strings(self.unit_types, "Plan.unit_types", PlanError))
         _check_figures(self)
+        if self.loop is not None and not isinstance(self.loop, Loop):
+            raise PlanError(f"Plan.loop must be a remat.Loop, got {type(self.loop).__name__}")
         n = len(self.unit_names)
         if len(self.options) != n:
             raise PlanMismatchError(
@@ -188,6 +205,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["segments"] = [list(s) for s in self.segments]
+        d["loop"] = None if self.loop is None else self.loop.to_dict()
         return {"schema_version": PLAN_SCHEMA_VERSION, **d}
 
     def to_json(self, path: JsonSource | None = None, *, indent: int = 1) -> str:
@@ -208,6 +226,11 @@ class Plan:
             )
         d = check_keys(d, cls, "the plan", PlanError, extra=("schema_version",))
         d.pop("schema_version")
+        if d.get("loop") is not None:
+            try:
+                d["loop"] = Loop.from_dict(d["loop"])
+            except RematError as err:
+                raise PlanError(f"the plan's 'loop': {err}") from None
         return cls(**d)
 
     @classmethod
@@ -255,6 +278,9 @@ def _check_figures(plan: Plan) -> None:
     optional: dict[str, Any] = {
         "budget_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=None),
         "predicted_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
+        "measured_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
+        "solved_budget_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=None),
+        "measured_time_ms": lambda v, w: checked_ms(v, w, PlanError, hi=None),
         "compiled_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
         "predicted_time_ms": lambda v, w: checked_ms(v, w, PlanError, hi=None),
         "compiled_time_ms": lambda v, w: checked_ms(v, w, PlanError, hi=None),
@@ -268,3 +294,5 @@ def _check_figures(plan: Plan) -> None:
         value = getattr(plan, name)
         if value is not None:
             _set(plan, name, check(value, f"Plan.{name}"))
+    _set(plan, "verify_rounds", checked_bytes(plan.verify_rounds, "Plan.verify_rounds", PlanError,
+                                              hi=None, unit="rounds"))

@@ -49,6 +49,7 @@ def stamp_plan(
         fingerprint=profile.fingerprint(),
         unit_types=tuple(u.type_name for u in profile.units),
         device=profile.device.split(":")[0],
+        loop=profile.loop,
     )
 
 

@@ -244,7 +244,7 @@ PLAN_CASES = [
     ("peak-huge", "predicted_peak_bytes", 2**70, PlanError, ["Plan.predicted_peak_bytes"]),
     ("status-number", "status", 1, PlanError, ["Plan.status", "string"]),
     ("types-string", "unit_types", "Block", PlanError, ["Plan.unit_types must be a list"]),
-    ("schema-version", "schema_version", 2, PlanMismatchError, ["schema_version 2"]),
+    ("schema-version", "schema_version", 7, PlanMismatchError, ["schema_version 7"]),
 ]
 
 

@@ -1,0 +1,114 @@
+"""Closed-loop solving: apply the plan, measure a real step, and solve again when it is over.
+
+``simulate()`` predicts the allocator's view of a step within a fraction of a
+percent on the models remat is tested on, but a prediction is not a promise: a
+kernel may allocate scratch the profile did not see, a tensor may be made outside
+the dispatcher. So :func:`remat.solve` checks its plan. It applies the plan,
+measures one optimizer step of the user's loop with both instruments (the
+dispatch-level meter and the allocator), and when the higher of the two is above
+the budget it lowers the budget it solves for by the excess and solves again, a
+bounded number of rounds. The plan it returns carries the measured peak next to the
+predicted one, and how many rounds it took.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.bytesize import format_bytes
+from remat.errors import InfeasibleBudgetError, RematError
+from remat.profiler.loop import LossFn
+from remat.profiler.step import StepMeasurement, measure_step
+from remat.runtime import apply_plan, remove_plan
+from remat.solver.loop import Loop
+from remat.solver.plan import Plan
+
+__all__ = ["BudgetNotMetError", "measure_plan", "verified"]
+
+log = logging.getLogger("remat")
+
+DEFAULT_ROUNDS = 3
+
+
+class BudgetNotMetError(RematError):
+    """Solved plans kept measuring above the budget, round after round."""
+
+
+def measure_plan(
+    model: nn.Module,
+    batch: Any,
+    plan: Plan,
+    *,
+    loss_fn: LossFn | None,
+    optimizer: torch.optim.Optimizer | None,
+    loop: Loop | None,
+) -> StepMeasurement:
+    """One optimizer step of ``loop`` with ``plan`` applied, measured with both
+    instruments; the model is left as it was (plan removed, state restored)."""
+    apply_plan(model, plan)
+    try:
+        return measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
+                            warmup=1, repeats=1, allocator=True)
+    finally:
+        remove_plan(model)
+
+
+def verified(
+    plan: Plan,
+    budget_bytes: int,
+    solve_at: Callable[[int], Plan],
+    measure: Callable[[Plan], StepMeasurement],
+    *,
+    rounds: int = DEFAULT_ROUNDS,
+) -> Plan:
+    """``plan``, measured; re-solved at a lower budget while it measures above ``budget_bytes``.
+
+    Args:
+        plan: the plan solved for ``budget_bytes``.
+        budget_bytes: the user's budget.
+        solve_at: solves for an internal budget (raises ``InfeasibleBudgetError``).
+        measure: measures a plan (:func:`measure_plan` bound to the model).
+        rounds: at most this many plans are measured.
+
+    Raises:
+        InfeasibleBudgetError: the lowered budget is below what any plan reaches.
+        BudgetNotMetError: ``rounds`` plans all measured above the budget.
+    """
+    if rounds < 1:
+        raise RematError(f"verify_rounds={rounds!r}: need at least 1 (or verify=False)")
+    target = budget_bytes
+    for round_ in range(1, rounds + 1):
+        measured = measure(plan)
+        peak = measured.worst_peak_bytes
+        plan = plan.with_(measured_peak_bytes=peak, measured_time_ms=measured.time_ms,
+                          verify_rounds=round_, solved_budget_bytes=target)
+        if peak <= budget_bytes:
+            log.info("remat: plan verified in round %d: measured %s, predicted %s, budget %s",
+                     round_, format_bytes(peak), format_bytes(plan.predicted_peak_bytes or 0),
+                     format_bytes(budget_bytes))
+            return plan
+        excess = peak - budget_bytes
+        target -= excess
+        log.warning("remat: round %d's plan measured %s, %s over the budget (predicted %s); "
+                    "solving again for %s", round_, format_bytes(peak), format_bytes(excess),
+                    format_bytes(plan.predicted_peak_bytes or 0), format_bytes(target))
+        try:
+            plan = solve_at(target)
+        except InfeasibleBudgetError as err:
+            raise InfeasibleBudgetError(
+                budget_bytes, err.min_feasible_bytes + (budget_bytes - target),
+                f"The plans' measured peaks run {format_bytes(budget_bytes - target)} above "
+                "their predictions on this model, so the smallest budget that measures "
+                "within is about that much above the smallest predicted peak",
+                peak_event=err.peak_event, peak_parts=err.peak_parts,
+            ) from None
+    raise BudgetNotMetError(
+        f"memory_budget={format_bytes(budget_bytes)}: {rounds} plans, each solved for a lower "
+        f"budget than the last, all measured above it (the last {format_bytes(peak)}); raise "
+        "the budget, or pass verify_rounds= more rounds"
+    )
