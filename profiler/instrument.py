@@ -430,14 +430,18 @@ def _figures(
     modelled = [*shared, *output_records]  # counted on their own, so in no figure below
 
     # -- forward: what each outside part allocated and still holds at the end -----
+    # Plus, per phase, what the allocator saw it leave alive beyond the dispatch level.
     prefix_held = meter.alive_bytes(F, born_until=first.fwd_start.tick,
                                     exclude=[first.input_record, *modelled])
+    prefix_held += meter.hidden_held(w.start.index, first.fwd_start.index)
     for u, nxt in zip(units, units[1:]):  # code between units (none on a chain): the prefix's
         prefix_held += meter.alive_bytes(F, born_after=u.fwd_end.tick,
                                          born_until=nxt.fwd_start.tick,
                                          exclude=[nxt.input_record, *modelled])
+        prefix_held += meter.hidden_held(u.fwd_end.index, nxt.fwd_start.index)
     suffix_held = meter.alive_bytes(F, born_after=last.fwd_end.tick, born_until=F,
                                     exclude=modelled)
+    suffix_held += meter.hidden_held(last.fwd_end.index, w.forward_end.index)
     # What the loop keeps of the output, wherever it was made. The last unit's output,
     # when it is the model's, is a boundary: the profile marks it kept instead. Another
     # unit's output in the model's (all hidden states) is counted twice while held.
@@ -450,9 +454,10 @@ def _figures(
     # peak, while simulate() counts only held bytes there: add them to its peak.
     # On a chain simulate() still counts the last unit's output there; off a chain
     # it has already let it go unless someone holds it.
+    # Shared tensors count too: simulate() keeps them alive through the suffix (their
+    # first user may hold them), so a death here must not lower the suffix's peak.
     transient = meter.dying_bytes(last.fwd_end.tick, F,
-                                  exclude=[last.output_record, *modelled] if is_chain
-                                  else modelled)
+                                  exclude=[last.output_record] if is_chain else [])
     suffix_fwd_peak = meter.rise(last.fwd_end.index, w.forward_end.index) + transient
     forward_transient = max(
         meter.dying_bytes(u.fwd_start.tick, F, exclude=[u.input_record]) for u in units
@@ -486,6 +491,7 @@ def _figures(
         i = u.index
         held = meter.alive_bytes(F, born_after=u.fwd_start.tick, born_until=u.fwd_end.tick,
                                  exclude=[u.output_record, *modelled])
+        held += meter.hidden_held(u.fwd_start.index, u.fwd_end.index)
         in_step = UnitInStep(
             input_bytes=u.input_bytes,
             output_bytes=u.output_bytes,

@@ -168,7 +168,7 @@ def measure_option(
         clear_grads(params)
     # Read once the region has ended: the allocator's view is complete then.
     return OptionFigures(
-        held_bytes=max(held, 0),
+        held_bytes=max(held, 0) + meter.hidden_held(begin, begin + 2),
         holds_input=holds_input,
         holds_output=holds_output,
         fwd_peak_bytes=meter.rise(begin, begin + 1),

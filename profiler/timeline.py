@@ -134,6 +134,16 @@ class TimelineMeter(MemoryMeter):
             peak = max(peak, *self.allocator.peak)
         return peak
 
+    def hidden_held(self, start: int, end: int) -> int:
+        """Bytes the allocator saw made between marks ``start`` and ``end`` (by index) and
+        still alive at ``end`` that the dispatch level did not: tensors made outside the
+        dispatcher, such as the wrapped Python numbers an op saves for backward (0 without
+        the allocator's view, and before the region ends)."""
+        if self.allocator is None or not self.allocator.live:
+            return 0
+        hidden = [a - m.live_bytes for a, m in zip(self.allocator.live, self.marks)]
+        return max(hidden[end] - hidden[start], 0)
+
     def rise(self, start: int, end: int) -> int:
         """Highest live bytes after mark ``start`` up to mark ``end``, above the live bytes
         at ``start`` (marks by index): the higher of the dispatch-level and, once the

@@ -27,6 +27,7 @@ from remat.solver.profile import Option
 
 __all__ = [
     "SELECTIVE_SAVE_OPS",
+    "autocast_without_cache",
     "checkpoint_context_fn",
     "forward_with_option",
     "frozen_batchnorm_stats",
@@ -137,6 +138,30 @@ def checkpoint_context_fn(
     return context_fn
 
 
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+@contextlib.contextmanager
+def autocast_without_cache() -> Iterator[None]:
+    """Inside a recomputed region: the active ``torch.autocast``, without its weight cache.
+
+    Under autocast every weight a forward uses is cast (to bfloat16, say) and the
+    cast is cached until the outermost autocast region ends, the end of the forward
+    pass: for a checkpointed unit that is memory the checkpoint was meant to free
+    (casts of a 1B-parameter model are 2 GB). Without the cache each cast lives as
+    long as the op that needs it; the values are the same (casting is exact and
+    deterministic), and recomputation casts again anyway. torch's checkpoint
+    records the cache setting with the autocast state, so recomputation matches.
+    """
+    with contextlib.ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(
+                    device_type, dtype=torch.get_autocast_dtype(device_type),
+                    cache_enabled=False))
+        yield
+
+
 def option_is_active(module: nn.Module, option: str) -> bool:
     """Whether ``option`` does anything for this call.
 
@@ -168,7 +193,8 @@ def forward_with_option(
         extra = {} if context_fn is None else {"context_fn": context_fn}
         # kwargs go through a partial so they can never collide with checkpoint's own.
         fn = functools.partial(forward, **kwargs) if kwargs else forward
-        return checkpoint(fn, *args, use_reentrant=False, **extra)
+        with autocast_without_cache():
+            return checkpoint(fn, *args, use_reentrant=False, **extra)
     if option == Option.OFFLOAD.value:
         reason = Option.OFFLOAD.unavailable_on("cuda" if torch.cuda.is_available() else "cpu")
         if reason is not None:

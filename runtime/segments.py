@@ -48,7 +48,7 @@ from torch.utils import checkpoint as _ckpt
 from remat.errors import RematError
 from remat.runtime.boundary import Slot, boundary_input, boundary_output
 from remat.runtime.kv_cache import drop_kv_cache
-from remat.runtime.options import checkpoint_context_fn
+from remat.runtime.options import autocast_without_cache, checkpoint_context_fn
 from remat.runtime.torch_checkpoint import checkpoint_generator
 from remat.solver.profile import Option
 
@@ -196,7 +196,8 @@ class _OpenSegment:
         self.replay.calls.append(_UnitCall(forward, recorded_args, recorded_kwargs, slot, rng))
         self.last_index = index
         try:
-            output = forward(*args, **kwargs)
+            with autocast_without_cache():
+                output = forward(*args, **kwargs)
         except BaseException as exc:
             self.abort(exc)
             raise
@@ -403,7 +404,8 @@ class SegmentRunner:
         )
         context_fn = checkpoint_context_fn(self.modules[a : b + 1], Option.CHECKPOINT)
         extra = {} if context_fn is None else {"context_fn": context_fn}
-        outputs = _ckpt.checkpoint(run, first_input, use_reentrant=False, **extra)
+        with autocast_without_cache():
+            outputs = _ckpt.checkpoint(run, first_input, use_reentrant=False, **extra)
         if b > a:
             self._ahead = _Ahead(bounds, args, kwargs, slot, outputs)
         return outputs[0]
