@@ -69,16 +69,20 @@ def test_time_unit_takes_repeats_rounds_at_zero_tolerance() -> None:
 
 
 class _SteadyWatch(Stopwatch):
-    """Runs the work and says it took 1 ms: round counting, free of the machine's load."""
+    """Runs the work and says it took 1 ms, then 1.5 ms, by turns: round counting free
+    of the machine's load (the samples differ, so a zero tolerance never settles early)."""
+
+    calls = 0
 
     def time(self, fn):  # noqa: ANN001, ANN202
-        return fn(), 1.0
+        self.calls += 1
+        return fn(), 1.0 + 0.5 * (self.calls % 2)
 
 
 def test_time_unit_stops_once_settled_and_at_max_rounds() -> None:
     call, params = _mlp_call()
     watch = _SteadyWatch(torch.device("cpu"))
-    # Any tolerance settles as soon as a majority (2 of 3) of equal samples is taken.
+    # A tolerance of 99% settles as soon as a majority (2 of 3) is taken.
     assert time_unit(call, ["keep"], watch, params, warmup=0, repeats=3,
                      tolerance=0.99).rounds == 2
     samples = time_unit(call, ["keep"], watch, params, warmup=0, repeats=3, max_rounds=1)
