@@ -69,14 +69,14 @@ def test_time_unit_takes_repeats_rounds_at_zero_tolerance() -> None:
 
 
 class _SteadyWatch(Stopwatch):
-    """Runs the work and says it took 1 ms, then 1.5 ms, by turns: round counting free
-    of the machine's load (the samples differ, so a zero tolerance never settles early)."""
+    """Runs the work and says it took 1, 1.5 or 1.25 ms, by turns: round counting free of
+    the machine's load (the samples differ, so a zero tolerance never settles early)."""
 
     calls = 0
 
     def time(self, fn):  # noqa: ANN001, ANN202
         self.calls += 1
-        return fn(), 1.0 + 0.5 * (self.calls % 2)
+        return fn(), (1.0, 1.5, 1.25)[self.calls % 3]
 
 
 def test_time_unit_stops_once_settled_and_at_max_rounds() -> None:
