@@ -39,11 +39,13 @@ from torch import nn
 
 from remat.allocator import allocator_peak
 from remat.errors import InfeasibleBudgetError, RematError
+from remat.profiler.loop import Carry, StepRunner
 from remat.profiler.state import clear_grads, training_session
-from remat.profiler.step import LossFn, fixed_bytes, forward_loss, model_device
+from remat.profiler.step import LossFn, fixed_bytes, grad_bytes, model_device
 from remat.profiler.timing import Stopwatch
 from remat.runtime import apply_plan, planned, remove_plan
 from remat.solver.budget import parse_budget
+from remat.solver.loop import Loop
 from remat.solver.pareto import frontier_plans
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Profile
@@ -116,18 +118,21 @@ def measure_compiled(
     activation_memory_budget: float = 1.0,
     time_if_within: int | None = None,
     repeats: int = 5,
+    loop: Loop | None = None,
 ) -> CompiledStep:
-    """One compiled training step of ``model`` under ``plan``: peak and (maybe) time.
+    """One compiled optimizer step of ``loop`` on ``model`` under ``plan``: peak and (maybe) time.
 
     The plan (``None``: the model as it is) is applied, the model compiled with
     ``torch.compile(model, **compile_options)`` under ``activation_memory_budget``,
-    and one step run to compile it (with an optimizer, that step also creates its
-    state). The next step is measured: parameters, buffers and optimizer state, plus
-    the allocator's peak above them (gradients start cleared). When the peak is at
-    most ``time_if_within`` bytes, ``repeats`` more steps are timed (median).
-    Dynamo's caches are reset before and after (``torch._dynamo.reset()``), so each
-    plan compiles from nothing. The model is left as it was: plan removed, and
-    parameters, buffers, ``.grad``, modes, RNG and optimizer state restored.
+    and one step of the loop run to compile it (with an optimizer, that step also
+    creates its state). Two more steps are measured, from nothing carried, so the
+    second sees what the first carries into it (as :func:`remat.measure` does):
+    parameters, buffers, optimizer state and the gradients the loop keeps, plus the
+    allocator's peak above them. When the peak is at most ``time_if_within`` bytes,
+    ``repeats`` more steps are timed (median). Dynamo's caches are reset before and
+    after (``torch._dynamo.reset()``), so each plan compiles from nothing. The model
+    is left as it was: plan removed, and parameters, buffers, ``.grad``, modes, RNG
+    and optimizer state restored.
     """
     device = model_device(model)
     watch = Stopwatch(device)
@@ -138,27 +143,24 @@ def measure_compiled(
                 apply_plan(model, plan)
             try:
                 compiled = torch.compile(model, **dict(compile_options or {}))
+                runner = StepRunner(compiled, sample_batch, loss_fn, optimizer,
+                                    loop if loop is not None else Loop(), device.type)
 
-                def step() -> None:
-                    forward_loss(compiled, sample_batch, loss_fn).backward()
-                    if optimizer is not None:
-                        optimizer.step()
-
-                def fresh() -> None:
-                    state.rng.restore()
-                    state.restore_buffers()
-                    clear_grads(state.params)
+                def steps(count: int) -> None:
+                    carry = Carry()
+                    for _ in range(count):
+                        runner.optimizer_step_cycle(carry)
+                        state.rng.restore()
+                        state.restore_buffers()
 
                 with partitioner_budget(activation_memory_budget):
-                    step()  # compiles
-                    fresh()
-                    fixed = fixed_bytes(model, optimizer)
-                    peak = fixed + allocator_peak(step, device_type=device.type)
+                    steps(1)  # compiles
+                    fixed = fixed_bytes(model, optimizer) + grad_bytes(model)
+                    peak = fixed + allocator_peak(lambda: steps(2), device_type=device.type)
                     times = []
                     if time_if_within is not None and peak <= time_if_within:
                         for _ in range(repeats):
-                            fresh()
-                            times.append(watch.time(step)[1])
+                            times.append(watch.time(lambda: steps(1))[1])
                 clear_grads(state.params)
             finally:
                 if plan is not None:
@@ -232,7 +234,8 @@ def solve_compiled(
         def measure(plan: Plan, fraction: float, within: int) -> CompiledStep:
             return measure_compiled(model, sample_batch, plan, loss_fn=loss_fn,
                                     optimizer=optimizer, compile_options=compile_options,
-                                    activation_memory_budget=fraction, time_if_within=within)
+                                    activation_memory_budget=fraction, time_if_within=within,
+                                    loop=profile.loop)
 
     steps: dict[tuple[float, int], CompiledStep] = {}
     winners: list[tuple[float, int]] = []
