@@ -32,6 +32,10 @@ def infeasible_budget_error(
     # min_peak_plan() peaks at min_peak_bytes() by the event model; simulate() is the
     # specification the message quotes.
     sim = simulate(profile, best if best is not None else min_peak_plan(profile))
+    # The peak is the loop's: say which loop, so accumulated gradients or a kept output
+    # in the parts are not a surprise.
+    loop = f"This is for the loop it was profiled with ({profile.loop.describe()})"
     return InfeasibleBudgetError(
-        budget, sim.peak_bytes, detail, peak_event=sim.peak_event, peak_parts=sim.peak_parts
+        budget, sim.peak_bytes, f"{detail} {loop}".strip(), peak_event=sim.peak_event,
+        peak_parts=sim.peak_parts
     )
