@@ -50,7 +50,16 @@ def stamp_plan(
         unit_types=tuple(u.type_name for u in profile.units),
         device=profile.device.split(":")[0],
         loop=profile.loop,
+        input_shapes=tuple(profile.input_shapes.items()),
+        unit_signatures=_signatures(profile),
+        persistent_bytes=profile.fixed_bytes + profile.grad_bytes,
     )
+
+
+def _signatures(profile: Profile) -> tuple[str, ...] | None:
+    """The units' structure signatures, when the profile recorded every one."""
+    signatures = tuple(u.param_signature for u in profile.units)
+    return None if any(s is None for s in signatures) else signatures  # type: ignore[return-value]
 
 
 def keep_all_when_it_fits(
