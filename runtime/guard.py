@@ -12,10 +12,10 @@ backward, so neither matters; and not while ``torch.compile`` traces):
   shape (:class:`~remat.errors.RematWarning`) with the predicted peak scaled to it,
   or with ``strict_shapes`` raises :class:`~remat.errors.PlanMismatchError`.
   Smaller inputs (the short last batch, dynamic padding) pass silently. The scaled
-  figure grows the activation part of the peak (the peak less
-  ``Plan.persistent_bytes``) linearly with the elements of the smallest shape that
-  covers both the recorded and the new one: an estimate, low where memory grows
-  faster than the input (attention scores grow with the square of the sequence).
+  figure (:func:`scaled_peak`) grows the plan's activation peak linearly with the
+  elements of the smallest shape that covers both the recorded and the new one,
+  on top of the persistent bytes: an estimate, low where memory grows faster than
+  the input (attention scores grow with the square of the sequence).
 * **replaced units**: a unit module replaced after ``apply_plan``
   (``model.layers[3] = NewBlock()``) would run unplanned, outside the plan's
   figures and outside its segment. The hook checks that every unit is still the
@@ -91,11 +91,19 @@ def _growth(shape: Shape, recorded: Shape) -> float:
 
 
 def scaled_peak(plan: Plan, growth: float) -> int | None:
-    """The plan's predicted peak with its activation part scaled by ``growth``."""
+    """The plan's peak estimated for inputs ``growth`` times as large (in elements).
+
+    ``persistent + growth * activation peak`` (``Plan.activation_peak_bytes``), at
+    least the predicted peak: it bounds every moment of the step when activations
+    grow linearly with the input. Without those figures (a plan from an older
+    remat), the predicted peak less ``persistent_bytes`` is scaled instead.
+    """
     peak = plan.predicted_peak_bytes
     if peak is None:
         return None
     fixed = min(plan.persistent_bytes or 0, peak)
+    if plan.persistent_bytes is not None and plan.activation_peak_bytes is not None:
+        return max(peak, int(plan.persistent_bytes + growth * plan.activation_peak_bytes))
     return int(fixed + (peak - fixed) * growth)
 
 
@@ -172,7 +180,8 @@ class PlanGuard:
         if estimate is not None:
             predicted = format_bytes(self.plan.predicted_peak_bytes or 0)
             figures = (f"; its predicted peak of {predicted}"
-                       f" grows to about {format_bytes(estimate)} (activations scaled linearly "
+                       f" grows to at most about {format_bytes(estimate)} (the persistent bytes "
+                       f"plus the activation peak scaled linearly "
                        f"with the input's elements, x{growth:.2f}; more where memory grows "
                        "faster, as attention does with the sequence length)")
             if budget is not None and estimate > budget:

@@ -89,9 +89,11 @@ class Plan:
             names, shapes and dtypes (:mod:`remat.runtime.structure`), so a plan is
             refused on a model of another width with the same unit names (``None``:
             checked by names and types only).
-        persistent_bytes: the part of the predicted peak that does not grow with the
-            batch (parameters, buffers, optimizer state, gradients); used to scale the
-            prediction to larger inputs.
+        persistent_bytes: the bytes of the step that do not grow with the batch
+            (parameters, buffers, optimizer state, gradients).
+        activation_peak_bytes: the plan's predicted peak of everything else (the
+            activations and temporaries) on its own. With ``persistent_bytes`` it
+            scales the prediction to inputs larger than the profiled ones.
 
     A field of the wrong type (a string where a list belongs, a float or bool where
     an int does, NaN, a negative figure) is a :class:`PlanError` at construction.
@@ -120,6 +122,7 @@ class Plan:
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...] | None = None
     unit_signatures: tuple[str, ...] | None = None
     persistent_bytes: int | None = None
+    activation_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _set(self, "unit_names", checked_strings(self.unit_names, "Plan.unit_names", PlanError))
@@ -323,6 +326,7 @@ def _check_figures(plan: Plan) -> None:
         "measured_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
         "solved_budget_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=None),
         "persistent_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
+        "activation_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
         "measured_time_ms": lambda v, w: checked_ms(v, w, PlanError, hi=None),
         "compiled_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
         "predicted_time_ms": lambda v, w: checked_ms(v, w, PlanError, hi=None),
