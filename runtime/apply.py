@@ -78,6 +78,9 @@ class _RematState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A model unpickled in a fresh process runs its segments eagerly there too.
         self.__dict__.update(state)
+        # Pickled by a remat without these: probe again, no guard to remove.
+        self.__dict__.setdefault("writes_input", [None] * len(self.modules))
+        self.__dict__.setdefault("plan_guard_id", None)
         if self.runner is not None:
             _disable_compile_for_segments()
 

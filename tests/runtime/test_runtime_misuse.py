@@ -147,9 +147,10 @@ def _wrong_signature_count(plan: Plan) -> None:
 
 
 def _writes_in_segment(plan: Plan) -> None:
-    torch.manual_seed(0)
-    model = WritingNet()
-    apply_plan(model, manual("chain", model))
+    model = net()
+    model.blocks[0].writes_input = True  # fed the stem's Linear output: fine unplanned
+    step(copy.deepcopy(model), batch())
+    apply_plan(model, manual("chain", model))  # a chain: one segment over the four blocks
     step(model, batch())
 
 
@@ -165,7 +166,8 @@ REFUSED = [
          PlanMismatchError, "parameters in this model but"),
     Case("another dtype", lambda p: _planned(p, net().double()),
          PlanMismatchError, "other shapes or dtypes"),
-    Case("a larger batch, strict", lambda p: step(_planned(p, strict_shapes=True), batch(2 * BATCH)),
+    Case("a larger batch, strict",
+         lambda p: step(_planned(p, strict_shapes=True), batch(2 * BATCH)),
          PlanMismatchError, "larger than the plan was made for"),
     Case("a longer sequence, strict",
          lambda p: step(_planned(p, strict_shapes=True), batch(s=SEQ + 1)),
