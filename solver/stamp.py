@@ -68,10 +68,14 @@ def activations_only(profile: Profile) -> Profile:
     linearly), where scaling the plan's own peak would not, since that peak may sit
     where the gradients are the bulk and activations few.
     """
+    cached = profile.__dict__.get(_ACTIVATIONS_ONLY)
+    if cached is not None:
+        return cached
+
     def no_grads(outside: OutsideCost) -> OutsideCost:
         return replace(outside, param_grad_bytes=0)
 
-    return replace(
+    reduced = replace(
         profile,
         units=tuple(replace(u, param_grad_bytes=0) for u in profile.units),
         prefix=no_grads(profile.prefix),
@@ -83,6 +87,13 @@ def activations_only(profile: Profile) -> Profile:
         grad_in_flight_bytes=0,
         measured_peak_bytes=None,
     )
+    # Kept on the (frozen) profile like its event model: every plan stamped from one
+    # profile (a frontier, verification's rounds) reuses it and its event model.
+    profile.__dict__[_ACTIVATIONS_ONLY] = reduced
+    return reduced
+
+
+_ACTIVATIONS_ONLY = "_remat_activations_only"
 
 
 def _signatures(profile: Profile) -> tuple[str, ...] | None:
