@@ -124,7 +124,8 @@ class _RematState:
                 f"unit {self.plan.unit_names[index]!r} wrote into its {written[0]} in place "
                 f"under option {option!r}, which its earlier calls did not; a recomputed unit "
                 "cannot change its inputs (its backward would recompute from the changed "
-                "values). Give it option 'keep' (remat.Plan.from_options(..., {name: 'keep'}))"
+                "values). Give it option 'keep' in a manual plan, or solve again without it "
+                "among the units (remat.solve(..., units=[...]))"
             )
         return output
 
@@ -167,9 +168,9 @@ class _RematState:
         warnings.warn(
             f"remat: unit {self.plan.unit_names[index]!r} writes into its {written} in place, "
             f"so it cannot be recomputed ({option!r} would recompute it from the changed "
-            "values); it runs as 'keep' (unplanned), so the step can peak above the plan's "
-            "prediction. Solve again: profile() offers such units 'keep' only, or give it "
-            "option 'keep' in a manual plan",
+            "values); it runs as 'keep' (unplanned) from now on, so the step can peak above the "
+            "plan's prediction. Solve again without it among the units (remat.solve(..., "
+            "units=[...])), or give it option 'keep' in a manual plan",
             RematWarning,
             stacklevel=2,
         )
@@ -192,8 +193,8 @@ class _RematState:
                 f"unit {self.plan.unit_names[index]!r} wrote into its {written[0]} in place; "
                 "a multi-unit segment holds its first input and replays its units' other "
                 "arguments, so it cannot contain this unit. Use a plan without this segment, "
-                "with option 'keep' for this unit (solve again: profile() offers such units "
-                "'keep' only)"
+                "with option 'keep' for this unit, or solve again without it among the units "
+                "(remat.solve(..., units=[...]))"
             )
 
 

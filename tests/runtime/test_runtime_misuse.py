@@ -154,6 +154,14 @@ def _writes_in_segment(plan: Plan) -> None:
     step(model, batch())
 
 
+def _writes_after_its_first_call(plan: Plan) -> None:
+    model = net()
+    apply_plan(model, manual("checkpoint", model))
+    step(model, batch())  # probed: writes nothing
+    model.blocks[0].writes_input = True
+    step(model, batch())
+
+
 def _writes_in_checkpoint(plan: Plan) -> None:
     torch.manual_seed(0)
     model = WritingNet()
@@ -178,6 +186,8 @@ REFUSED = [
          PlanError, "one per unit"),
     Case("a segment unit writes into its input", _writes_in_segment,
          RematError, "multi-unit segment"),
+    Case("a unit writes into its input after its first call", _writes_after_its_first_call,
+         RematError, "which its earlier calls did not"),
 ]
 
 WARNED = [
