@@ -25,6 +25,7 @@ from remat.profiler.capture import ChainCheck
 from remat.profiler.instrument import BaselineStep, UnitInStep
 from remat.profiler.replay import OptionFigures, UnitTiming
 from remat.profiler.step import StepTimes
+from remat.runtime.structure import unit_signature
 from remat.solver.loop import Loop
 from remat.solver.profile import (
     Option,
@@ -147,6 +148,7 @@ def _unit_profile(
         input_held_outside=in_step.input_held_outside,
         output_held_outside=in_step.output_held_outside,
         autocast_cache_bytes=max(f.forward_cache_bytes for f in figures.values()),
+        param_signature=unit_signature(module),
     )
 
 

@@ -3,8 +3,22 @@
 The profiler runs real forward/backward passes (and optimizer steps when given
 an optimizer), so it must leave no trace: parameters, buffers (BatchNorm running
 statistics), ``.grad`` (``None`` or the same tensor objects), ``requires_grad``
-flags, train/eval mode of every module, the CPU and CUDA RNG states, and the
-optimizer's state are put back exactly as they were.
+flags, train/eval mode of every module, the CPU and CUDA RNG states, Python's
+``random`` and NumPy's global RNG states, and the optimizer's state are put back
+exactly as they were.
+
+A forward can also *rebind* state rather than write into it: ``self.ema = 0.9 *
+self.ema + ...`` replaces the module's ``_buffers`` entry with a new tensor, and
+``self.calls += 1`` rebinds a plain attribute. Every submodule's ``__dict__`` is
+therefore snapshotted by identity (its attributes and its ``_parameters``,
+``_buffers`` and ``_modules`` entries) and put back: attributes the steps added are
+removed, rebound ones get their old objects back. Objects changed *in place* other
+than parameters and buffers (a list attribute appended to) are not copied, so they
+are not restored.
+
+Lazy modules (``nn.LazyLinear`` before its first forward) are refused: a measured
+step would create their parameters, which the model would keep (and an optimizer
+made before would not know), so the model could not be left as it was.
 """
 
 from __future__ import annotations
@@ -12,36 +26,106 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ModelState", "RngState", "clear_grads", "training_session"]
+from remat.errors import ProfileError
+
+__all__ = ["ModelState", "RngState", "check_not_lazy", "clear_grads", "training_session"]
 
 log = logging.getLogger("remat")
 
 
 @dataclass
 class RngState:
-    """The CPU RNG state and, when CUDA is initialised, every CUDA device's RNG state."""
+    """torch's CPU RNG state and, when CUDA is initialised, every CUDA device's RNG
+    state; Python's ``random`` and NumPy's global RNG states (a forward may draw from
+    them: data-dependent augmentation, stochastic depth written with ``random``)."""
 
     cpu: torch.Tensor
     cuda: list[torch.Tensor] | None
+    python: Any = None
+    numpy: Any = None
 
     @classmethod
     def capture(cls) -> RngState:
         cuda = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             cuda = torch.cuda.get_rng_state_all()
-        return cls(torch.get_rng_state(), cuda)
+        return cls(torch.get_rng_state(), cuda, random.getstate(), np.random.get_state())
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
+        if self.python is not None:
+            random.setstate(self.python)
+        if self.numpy is not None:
+            np.random.set_state(self.numpy)
+
+
+def check_not_lazy(model: nn.Module) -> None:
+    """Raise :class:`ProfileError` when a submodule still has uninitialised (lazy) parameters.
+
+    A measured step would materialise them (``nn.LazyLinear`` becomes ``nn.Linear``
+    with freshly drawn weights), which is a change to the model no restore can undo
+    and that an optimizer created earlier would not see.
+    """
+    for name, module in model.named_modules():
+        has_lazy = getattr(module, "has_uninitialized_params", None)
+        if callable(has_lazy) and has_lazy():
+            raise ProfileError(
+                f"module {name or '(the model)'!r} ({type(module).__name__}) has uninitialised "
+                "lazy parameters; run one forward pass first (model(sample_batch), e.g. under "
+                "torch.no_grad()) so lazy modules create their parameters, then create the "
+                "optimizer and profile, solve or measure"
+            )
+
+
+_MISSING = object()
+_ENTRY_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+@dataclass
+class _ModuleDict:
+    """One module's ``__dict__`` and its parameter/buffer/child entries, by identity."""
+
+    module: nn.Module
+    attrs: dict[str, Any]
+    entries: dict[str, dict[str, Any]]  # "_parameters", "_buffers", "_modules" -> copy
+
+    @classmethod
+    def capture(cls, module: nn.Module) -> _ModuleDict:
+        d = module.__dict__
+        entries = {key: dict(d[key]) for key in _ENTRY_DICTS if isinstance(d.get(key), dict)}
+        return cls(module, dict(d), entries)
+
+    def restore_entries(self, keys: tuple[str, ...] = _ENTRY_DICTS) -> None:
+        d = self.module.__dict__
+        for key in keys:
+            saved = self.entries.get(key)
+            live = d.get(key)
+            if saved is None or not isinstance(live, dict):
+                continue
+            if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
+                # In place: the dict object itself is shared with hooks and state_dict code.
+                live.clear()
+                live.update(saved)
+
+    def restore(self) -> None:
+        d = self.module.__dict__
+        for key in [k for k in d if k not in self.attrs]:
+            del d[key]
+        for key, value in self.attrs.items():
+            if d.get(key, _MISSING) is not value:
+                d[key] = value
+        self.restore_entries()
 
 
 def clear_grads(params: list[nn.Parameter]) -> None:
@@ -68,6 +152,7 @@ class ModelState:
     _requires_grad: list[bool] = field(default_factory=list)
     _buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _training: list[tuple[nn.Module, bool]] = field(default_factory=list)
+    _dicts: list[_ModuleDict] = field(default_factory=list)
     _rng: RngState | None = None
     _optimizer_state: dict[str, Any] | None = None
 
@@ -75,7 +160,13 @@ class ModelState:
     def capture(
         cls, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> ModelState:
-        """Snapshot ``model`` (and ``optimizer``); params are copied when there is an optimizer."""
+        """Snapshot ``model`` (and ``optimizer``); params are copied when there is an optimizer.
+
+        Raises:
+            ProfileError: the model has lazy modules that were never run
+                (:func:`check_not_lazy`).
+        """
+        check_not_lazy(model)
         s = cls(model, optimizer, copy_params=optimizer is not None)
         s.params = list(model.parameters())
         s._grads = [p.grad for p in s.params]
@@ -85,6 +176,7 @@ class ModelState:
             s._param_values = [p.detach().to("cpu", copy=True) for p in s.params]
         s._buffers = [(b, b.detach().clone()) for b in model.buffers()]
         s._training = [(m, m.training) for m in model.modules()]
+        s._dicts = [_ModuleDict.capture(m) for m in model.modules()]
         s._rng = RngState.capture()
         if optimizer is not None:
             # The state_dict references the live state tensors: copy them now,
@@ -98,7 +190,11 @@ class ModelState:
         return self._rng
 
     def restore_buffers(self) -> None:
-        """Put back every buffer's value (BatchNorm running stats, ``num_batches_tracked``)."""
+        """Put back every buffer: the tensor each module had (a forward that reassigns a
+        buffer, ``self.ema = ...``, replaced it) and its value (BatchNorm running
+        stats, ``num_batches_tracked``)."""
+        for module_dict in self._dicts:
+            module_dict.restore_entries(("_buffers",))
         with torch.no_grad():
             for buf, value in self._buffers:
                 buf.copy_(value)
@@ -116,6 +212,10 @@ class ModelState:
 
     def restore(self) -> None:
         """Put everything back as it was at :meth:`capture`."""
+        # Module dicts first: they put back the original parameter and buffer objects,
+        # whose values are restored next.
+        for module_dict in self._dicts:
+            module_dict.restore()
         self.restore_params()
         self.restore_buffers()
         for p, grad, flag in zip(self.params, self._grads, self._requires_grad):

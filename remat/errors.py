@@ -18,11 +18,17 @@ __all__ = [
     "PlanMismatchError",
     "ProfileError",
     "RematError",
+    "RematWarning",
 ]
 
 
 class RematError(Exception):
     """Base class of every error remat raises on purpose."""
+
+
+class RematWarning(UserWarning):
+    """A warning remat gives on purpose (a planned model met inputs larger than it was
+    planned for, a unit that cannot be recomputed runs unplanned...)."""
 
 
 class BudgetError(RematError, ValueError):

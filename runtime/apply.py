@@ -20,15 +20,27 @@ from __future__ import annotations
 
 import difflib
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.utils import checkpoint as _ckpt
 
-from remat.errors import PlanMismatchError, RematError
-from remat.runtime.options import forward_with_option, option_is_active
+from remat.errors import PlanMismatchError, RematError, RematWarning
+from remat.runtime.boundary import boundary_input
+from remat.runtime.guard import PlanGuard, positional_names, replaced_units
+from remat.runtime.inplace import (
+    InputWritten,
+    WriteProbe,
+    argument_versions,
+    tensor_arguments,
+    written_arguments,
+)
+from remat.runtime.options import forward_with_option, option_is_active, tracking_batchnorms
 from remat.runtime.segments import SegmentRunner
+from remat.runtime.structure import describe_mismatch, unit_signature
 from remat.solver.plan import Plan
 from remat.solver.profile import Option
 
@@ -58,10 +70,17 @@ class _RematState:
         self.saved_forwards = saved_forwards
         self.runner = runner
         self.guard_hook_id: int | None = None
+        self.plan_guard_id: int | None = None
+        # Per unit, whether its forward writes into its own arguments: None until its
+        # first recomputed call tells (see ``_probe``).
+        self.writes_input: list[bool | None] = [None] * len(modules)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A model unpickled in a fresh process runs its segments eagerly there too.
         self.__dict__.update(state)
+        # Pickled by a remat without these: probe again, no guard to remove.
+        self.__dict__.setdefault("writes_input", [None] * len(self.modules))
+        self.__dict__.setdefault("plan_guard_id", None)
         if self.runner is not None:
             _disable_compile_for_segments()
 
@@ -77,15 +96,106 @@ class _RematState:
         """Run unit ``index`` under its option (or as part of its segment)."""
         module = self.modules[index]
         option = self.plan.options[index]
+        active = option_is_active(module, option)
+        compiling = torch.compiler.is_compiling()
         runner = self.runner
         if runner is not None:
-            if index in runner.segment_of and option_is_active(module, option):
-                if torch.compiler.is_compiling():
+            if index in runner.segment_of and active:
+                if compiling:
                     return runner.call_ahead(index, self.original_forward, args, kwargs)
-                return _eager_segment_call(self, index, args, kwargs)
+                before = argument_versions(args, kwargs)
+                output = _eager_segment_call(self, index, args, kwargs)
+                self._refuse_writes_in_segment(index, args, kwargs, before)
+                return output
             if runner.is_open:  # anything that does not continue a segment ends it
                 _eager_segment_close(runner)
-        return forward_with_option(module, option, self.original_forward(index), args, kwargs)
+        if not active or compiling or option == Option.OFFLOAD.value:
+            return forward_with_option(module, option, self.original_forward(index), args, kwargs)
+        writes = self.writes_input[index]
+        if writes:
+            return self.original_forward(index)(*args, **kwargs)
+        if writes is None:
+            return self._probe(index, args, kwargs)
+        before = argument_versions(args, kwargs)
+        output = forward_with_option(module, option, self.original_forward(index), args, kwargs)
+        written = written_arguments(before)
+        if written:
+            raise RematError(
+                f"unit {self.plan.unit_names[index]!r} wrote into its {written[0]} in place "
+                f"under option {option!r}, which its earlier calls did not; a recomputed unit "
+                "cannot change its inputs (its backward would recompute from the changed "
+                "values). Give it option 'keep' in a manual plan, or solve again without it "
+                "among the units (remat.solve(..., units=[...]))"
+            )
+        return output
+
+    def _probe(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A unit's first recomputed call, watched for writes into its arguments.
+
+        The write is stopped before it happens (:class:`WriteProbe`), the checkpoint
+        region abandoned, what the forward had done to the RNG and BatchNorm
+        statistics undone, and the call run plainly; the unit stays ``keep`` from
+        then on, with a warning. Python-level side effects of the abandoned part of
+        the forward (a call counter) happen twice on that one call.
+        """
+        module = self.modules[index]
+        option = self.plan.options[index]
+        forward = self.original_forward(index)
+        watched = tensor_arguments(args, kwargs)
+        if not watched:
+            self.writes_input[index] = False
+            return forward_with_option(module, option, forward, args, kwargs)
+        rng = torch.get_rng_state(), *_ckpt.get_device_states(*(t for _, t in watched))
+        stats = [(buf, buf.detach().clone()) for bn in tracking_batchnorms(module)
+                 for buf in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+                 if buf is not None]
+        try:
+            with WriteProbe(watched):
+                output = forward_with_option(module, option, forward, args, kwargs)
+        except InputWritten as hit:
+            written = f"{hit.label} ({hit.op})"
+        else:
+            self.writes_input[index] = False
+            return output
+        # Outside the except block: the abandoned region's contexts are closed by now.
+        torch.set_rng_state(rng[0])
+        if rng[1]:
+            _ckpt.set_device_states(rng[1], rng[2])
+        with torch.no_grad():
+            for buf, value in stats:
+                buf.copy_(value)
+        self.writes_input[index] = True
+        warnings.warn(
+            f"remat: unit {self.plan.unit_names[index]!r} writes into its {written} in place, "
+            f"so it cannot be recomputed ({option!r} would recompute it from the changed "
+            "values); it runs as 'keep' (unplanned) from now on, so the step can peak above the "
+            "plan's prediction. Solve again without it among the units (remat.solve(..., "
+            "units=[...])), or give it option 'keep' in a manual plan",
+            RematWarning,
+            stacklevel=2,
+        )
+        return forward(*args, **kwargs)
+
+    def _refuse_writes_in_segment(self, index: int, args: tuple[Any, ...],
+                                  kwargs: dict[str, Any], before: Any) -> None:
+        """A segment unit that wrote into an argument the segment holds or replays.
+
+        Only the chained input of a unit after the segment's first is free to change:
+        it is recomputed by the replay; the segment's first input and the other
+        arguments are held as they are.
+        """
+        first = cast(SegmentRunner, self.runner).segment_of[index][0]
+        located = boundary_input(args, kwargs)
+        chained = [located[1]] if index > first and located is not None else []
+        written = written_arguments(before, skip=chained)
+        if written:
+            raise RematError(
+                f"unit {self.plan.unit_names[index]!r} wrote into its {written[0]} in place; "
+                "a multi-unit segment holds its first input and replays its units' other "
+                "arguments, so it cannot contain this unit. Use a plan without this segment, "
+                "with option 'keep' for this unit, or solve again without it among the units "
+                "(remat.solve(..., units=[...]))"
+            )
 
 
 class _PlannedForward:
@@ -163,7 +273,7 @@ def _disable_compile_for_segments() -> None:
 
 
 # --------------------------------------------------------------------------- API
-def apply_plan(model: ModuleT, plan: Plan) -> ModuleT:
+def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False) -> ModuleT:
     """Change ``model`` in place so that training runs under ``plan``; returns ``model``.
 
     Each unit's forward runs under its option (``keep``, ``checkpoint``,
@@ -193,15 +303,32 @@ def apply_plan(model: ModuleT, plan: Plan) -> ModuleT:
     Checkpointed units of Hugging Face models run with ``use_cache=False`` and no
     KV cache in training, as with Hugging Face's own gradient checkpointing.
 
+    What the plan was made for is checked (:mod:`remat.runtime.guard`): a solved
+    plan records its units' parameter shapes, and is refused on a model of another
+    width with the same unit names; in training, each forward's tensor inputs are
+    compared with the shapes the plan was profiled with, and a larger one (a bigger
+    batch, a longer sequence) warns once per new shape with the peak scaled to it
+    (or raises, with ``strict_shapes``); smaller ones pass silently. A unit module
+    replaced after ``apply_plan`` raises ``PlanMismatchError`` at the next training
+    forward (apply the plan again). A unit that writes into its own input in place
+    cannot be recomputed: its first call finds out, and it runs as ``keep``, with a
+    warning (:mod:`remat.runtime.inplace`).
+
+    Recomputation runs as the forward ran: in the train/eval modes the forward had
+    (``model.eval()`` before ``backward()`` is fine), and ``selective`` survives
+    ``backward(retain_graph=True)`` twice and double backward.
+
     Args:
         model: the model the plan was made for (same unit names and types).
         plan: a solved plan, or a manual one (``Plan.checkpoint_all(names)``,
-            ``Plan.from_options(names, {...})``).
+            ``Plan.from_options(names, {...})``; checked by unit names and types only).
+        strict_shapes: raise ``PlanMismatchError`` instead of warning when a training
+            forward gets inputs larger than the plan was profiled with.
 
     Raises:
         PlanMismatchError: the plan does not fit the model (missing units, other
-            module types, another device, ``offload`` without CUDA...). The model
-            is left unchanged.
+            module types or parameter shapes, another device, ``offload`` without
+            CUDA...). The model is left unchanged.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan() needs a remat Plan, got {type(plan).__name__}")
@@ -223,6 +350,8 @@ def apply_plan(model: ModuleT, plan: Plan) -> ModuleT:
     if runner is not None:
         handle = target.register_forward_hook(_SegmentGuard(runner), always_call=True)
         state.guard_hook_id = handle.id
+    guard = PlanGuard(plan, modules, positional_names(target), strict_shapes)
+    state.plan_guard_id = target.register_forward_pre_hook(guard, with_kwargs=True).id
     target.__dict__[STATE_ATTR] = state
     logger.debug("remat: applied plan (%s) to %s", plan.summary(), type(target).__name__)
     return model
@@ -256,14 +385,46 @@ def remove_plan(model: ModuleT) -> ModuleT:
     if state.guard_hook_id is not None:
         target._forward_hooks.pop(state.guard_hook_id, None)
         target._forward_hooks_always_called.pop(state.guard_hook_id, None)
+    if state.plan_guard_id is not None:
+        target._forward_pre_hooks.pop(state.plan_guard_id, None)
+        target._forward_pre_hooks_with_kwargs.pop(state.plan_guard_id, None)
     del target.__dict__[STATE_ATTR]
     return model
 
 
 def planned(model: nn.Module) -> Plan | None:
-    """The plan applied to ``model``, or ``None`` when it has none."""
-    state = _unwrap(model).__dict__.get(STATE_ATTR)
-    return None if state is None else state.plan
+    """The plan applied to ``model``, or ``None`` when it has none.
+
+    Units replaced after ``apply_plan`` (``model.layers[3] = NewBlock()``) run
+    unplanned, so they are left out, with any segment they were part of (the
+    next training forward raises ``PlanMismatchError`` until the plan is applied
+    again); ``None`` when no planned unit is left.
+    """
+    target = _unwrap(model)
+    state = target.__dict__.get(STATE_ATTR)
+    if state is None:
+        return None
+    replaced = replaced_units(target, state.plan.unit_names, state.modules)
+    return state.plan if not replaced else _without_units(state.plan, set(replaced))
+
+
+def _without_units(plan: Plan, removed: set[int]) -> Plan | None:
+    """A manual plan of ``plan``'s units but ``removed`` (and the segments they were in)."""
+    kept = [i for i in range(plan.n) if i not in removed]
+    if not kept:
+        return None
+    new_index = {old: new for new, old in enumerate(kept)}
+    segments = tuple((new_index[a], new_index[b]) for a, b in plan.segments
+                     if not any(a <= i <= b for i in removed))
+    return Plan(
+        tuple(plan.unit_names[i] for i in kept),
+        tuple(plan.options[i] for i in kept),
+        segments,
+        unit_types=None if plan.unit_types is None else tuple(plan.unit_types[i] for i in kept),
+        unit_signatures=(None if plan.unit_signatures is None
+                         else tuple(plan.unit_signatures[i] for i in kept)),
+        device=plan.device,
+    )
 
 
 # --------------------------------------------------------------------------- checks
@@ -292,6 +453,7 @@ def _validate(model: nn.Module, plan: Plan) -> list[nn.Module]:
     modules = _find_units(model, plan)
     _check_structure(plan, modules)
     _check_types(plan, modules)
+    _check_signatures(plan, modules)
     _check_options(plan)
     _check_device(model, plan)
     return modules
@@ -360,6 +522,25 @@ def _check_types(plan: Plan, modules: list[nn.Module]) -> None:
             f"the plan was made for another model: unit {'; '.join(wrong[:5])}"
             + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else "")
             + "; profile and solve again for this model (remat.solve(...))"
+        )
+
+
+def _check_signatures(plan: Plan, modules: list[nn.Module]) -> None:
+    """A solved plan's units have the parameter shapes it was profiled with."""
+    if plan.unit_signatures is None:
+        return  # a manual plan, or one from a profile that did not record them
+    wrong = [
+        (name, m, expected)
+        for name, m, expected in zip(plan.unit_names, modules, plan.unit_signatures)
+        if unit_signature(m) != expected
+    ]
+    if wrong:
+        name, module, expected = wrong[0]
+        more = f" (and {len(wrong) - 1} more units)" if len(wrong) > 1 else ""
+        raise PlanMismatchError(
+            f"the plan was made for another model: unit {name!r} ({type(module).__name__}) "
+            f"{describe_mismatch(module, expected)}{more}. Its memory figures do not hold "
+            "here; profile and solve again for this model (remat.solve(model, batch, ...))"
         )
 
 

@@ -8,6 +8,7 @@ to measure what each option costs, so what is measured is what runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -27,12 +28,15 @@ from remat.solver.profile import Option
 
 __all__ = [
     "SELECTIVE_SAVE_OPS",
+    "RecomputeAsForward",
+    "RetainableCache",
     "autocast_without_cache",
     "checkpoint_context_fn",
     "forward_with_option",
     "frozen_batchnorm_stats",
     "option_is_active",
     "selective_policy",
+    "tracking_batchnorms",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,7 +71,8 @@ def selective_policy(ctx: Any, func: torch._ops.OpOverload, *args: Any, **kwargs
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _tracking_batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+def tracking_batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The BatchNorms in ``module`` whose training forward updates running statistics."""
     return [
         m
         for m in module.modules()
@@ -104,38 +109,135 @@ def checkpoint_context_fn(
 ) -> Callable[[], tuple[Any, Any]] | None:
     """The ``context_fn`` for ``torch.utils.checkpoint`` under ``option`` (None: torch's default).
 
-    Composes the selective-checkpoint policy (for ``selective``) with frozen
-    BatchNorm statistics during recomputation (when the modules have BatchNorm).
+    Eagerly, recomputation runs as the forward ran (:class:`RecomputeAsForward`):
+    in the train/eval modes the modules had in the forward (a loop may call
+    ``model.eval()`` before ``backward()``), with BatchNorm statistics restored
+    after it, and for ``selective`` with a cache that survives a second backward
+    of a retained graph. Under ``torch.compile`` it is torch's selective policy or
+    nothing (see below).
     """
     # Under torch.compile, recomputation comes from the compiled graph, which applies
-    # the running-statistics update once (in the forward); and a context_fn there
-    # must be a pair of dispatch modes, which the restoring context is not.
-    compiling = torch.compiler.is_compiling()
-    bns = [] if compiling else [bn for m in modules for bn in _tracking_batchnorms(m)]
+    # the running-statistics update once (in the forward) and fixes the modes at
+    # trace time; and a context_fn there must be a pair of dispatch modes that torch
+    # recognises, which the restoring contexts are not.
     selective = option == Option.SELECTIVE.value
-    if not bns and not selective:
-        return None
-    if not bns:
+    if torch.compiler.is_compiling():
+        if not selective:
+            return None
         # A partial of module-level functions (not a closure): torch.compile accepts
         # only that as a checkpoint context_fn.
         return functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    return RecomputeAsForward(tuple(modules), selective)
 
-    def context_fn() -> tuple[Any, Any]:
-        if selective:
-            fwd_ctx, recompute_ctx = create_selective_checkpoint_contexts(selective_policy)
+
+class RecomputeAsForward:
+    """Eager ``context_fn``: recomputation sees the state the forward saw.
+
+    Called by ``torch.utils.checkpoint`` when the forward starts, so it records the
+    modules' train/eval flags then. Its recompute context:
+
+    * sets those flags for the recomputation and puts the current ones back after:
+      ``model.eval()`` between forward and backward would otherwise recompute with
+      dropout off (other tensors: torch's ``CheckpointError``, or wrong gradients);
+    * restores BatchNorm running statistics after it (:func:`frozen_batchnorm_stats`),
+      so they update once per step;
+    * for ``selective``, wraps torch's cache (:class:`RetainableCache`) so that
+      ``backward(retain_graph=True)`` twice and double backward work.
+    """
+
+    def __init__(self, modules: tuple[nn.Module, ...], selective: bool) -> None:
+        self.modules = modules
+        self.selective = selective
+
+    def __call__(self) -> tuple[Any, Any]:
+        modes = [(m, m.training) for unit in self.modules for m in unit.modules()]
+        bns = [bn for unit in self.modules for bn in tracking_batchnorms(unit)]
+        if self.selective:
+            fwd_ctx, cached = create_selective_checkpoint_contexts(selective_policy)
+            recompute_ctx: Any = RetainableCache(cached)
         else:
             fwd_ctx, recompute_ctx = contextlib.nullcontext(), contextlib.nullcontext()
-        if not bns:
-            return fwd_ctx, recompute_ctx
+        return fwd_ctx, _AsInForward(modes, bns, recompute_ctx)
 
-        @contextlib.contextmanager
-        def recompute() -> Iterator[None]:
-            with frozen_batchnorm_stats(bns), recompute_ctx:
-                yield
 
-        return fwd_ctx, recompute()
+class _AsInForward:
+    """The recompute context of :class:`RecomputeAsForward`. A class, not a generator:
+    torch enters the one recompute context once per recomputation, and a retained
+    graph is recomputed once per backward."""
 
-    return context_fn
+    def __init__(
+        self,
+        modes: list[tuple[nn.Module, bool]],
+        bns: list[nn.modules.batchnorm._BatchNorm],
+        inner: Any,
+    ) -> None:
+        self.modes = modes
+        self.bns = bns
+        self.inner = inner
+        self._stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        changed = [(m, m.training) for m, training in self.modes if m.training != training]
+        for m, now in changed:
+            m.training = not now
+
+        def put_back() -> None:
+            for m, now in changed:
+                m.training = now
+
+        stack.callback(put_back)
+        try:
+            stack.enter_context(frozen_batchnorm_stats(self.bns))
+            stack.enter_context(self.inner)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack.append(stack)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._stack.pop().__exit__(*exc)
+
+
+def _graph_is_kept() -> bool:
+    """Whether the backward pass running now keeps its graph (``retain_graph=True``, or
+    ``create_graph=True`` for a double backward). True where torch cannot tell."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else bool(keep_graph())
+
+
+class RetainableCache:
+    """torch's selective-checkpoint recompute mode, whose cache outlives a retained backward.
+
+    torch's cache hands each saved tensor out once and then drops it, so a second
+    backward through the region (``loss.backward(retain_graph=True)`` then
+    ``loss.backward()``; a gradient penalty's double backward) fails with "Trying to
+    backward an extra time". When the running backward keeps its graph, the cache's
+    entries are copied before the recomputation and put back after it; an ordinary
+    backward frees them as torch does, so memory is unchanged there. The cache is
+    torch's private ``storage`` mapping (``{op: entries}``); where a torch keeps it
+    differently this falls back to torch's own behaviour.
+    """
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+        self._saved: dict[Any, Any] | None = None
+
+    def __enter__(self) -> Any:
+        storage = getattr(self.mode, "storage", None)
+        if isinstance(storage, dict) and _graph_is_kept():
+            self._saved = {op: copy.copy(entries) for op, entries in storage.items()}
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.mode.__exit__(*exc)
+        finally:
+            saved, self._saved = self._saved, None
+            if saved is not None:
+                storage = self.mode.storage
+                storage.clear()
+                storage.update(saved)
 
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")

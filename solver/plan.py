@@ -80,6 +80,20 @@ class Plan:
             met the budget (0: not verified).
         solved_budget_bytes: the budget the solver was last run with: ``budget_bytes``
             less what earlier rounds measured above it (``None``: not verified).
+        input_shapes: the sample batch's tensor shapes the profile was measured with,
+            as ``(argument name, shape)`` pairs (``"arg0"``... for positional
+            arguments); JSON writes them as an object. The budget holds for inputs up
+            to these shapes; :func:`remat.apply_plan` watches for larger ones
+            (``None``: not known, not checked).
+        unit_signatures: per unit, ``"<parameter count>:<hash>"`` of its parameters'
+            names, shapes and dtypes (:mod:`remat.runtime.structure`), so a plan is
+            refused on a model of another width with the same unit names (``None``:
+            checked by names and types only).
+        persistent_bytes: the bytes of the step that do not grow with the batch
+            (parameters, buffers, optimizer state, gradients).
+        activation_peak_bytes: the plan's predicted peak of everything else (the
+            activations and temporaries) on its own. With ``persistent_bytes`` it
+            scales the prediction to inputs larger than the profiled ones.
 
     A field of the wrong type (a string where a list belongs, a float or bool where
     an int does, NaN, a negative figure) is a :class:`PlanError` at construction.
@@ -105,6 +119,10 @@ class Plan:
     measured_time_ms: float | None = None
     verify_rounds: int = 0
     solved_budget_bytes: int | None = None
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] | None = None
+    unit_signatures: tuple[str, ...] | None = None
+    persistent_bytes: int | None = None
+    activation_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _set(self, "unit_names", checked_strings(self.unit_names, "Plan.unit_names", PlanError))
@@ -112,6 +130,14 @@ class Plan:
         _set(self, "segments", _checked_segments(self.segments))
         if self.unit_types is not None:
             _set(self, "unit_types", checked_strings(self.unit_types, "Plan.unit_types", PlanError))
+        if self.unit_signatures is not None:
+            _set(self, "unit_signatures", checked_strings(self.unit_signatures,
+                                                          "Plan.unit_signatures", PlanError))
+            if len(self.unit_signatures) != len(self.unit_names):
+                raise PlanError(f"Plan.unit_signatures has {len(self.unit_signatures)} entries "
+                                f"for {len(self.unit_names)} units; one per unit")
+        if self.input_shapes is not None:
+            _set(self, "input_shapes", _checked_shapes(self.input_shapes))
         _check_figures(self)
         if self.loop is not None and not isinstance(self.loop, Loop):
             raise PlanError(f"Plan.loop must be a remat.Loop, got {type(self.loop).__name__}")
@@ -206,6 +232,8 @@ class Plan:
         d = asdict(self)
         d["segments"] = [list(s) for s in self.segments]
         d["loop"] = None if self.loop is None else self.loop.to_dict()
+        if self.input_shapes is not None:
+            d["input_shapes"] = {name: list(shape) for name, shape in self.input_shapes}
         return {"schema_version": PLAN_SCHEMA_VERSION, **d}
 
     def to_json(self, path: JsonSource | None = None, *, indent: int = 1) -> str:
@@ -269,6 +297,23 @@ def _checked_segments(segments: object) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _checked_shapes(shapes: object) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``{name: shape}`` or ``((name, shape), ...)`` as the latter, checked."""
+    where = "Plan.input_shapes"
+    pairs = shapes.items() if isinstance(shapes, Mapping) else checked_list(shapes, where,
+                                                                            PlanError)
+    out = []
+    for pair in pairs:
+        items = checked_list(pair, where, PlanError)
+        if len(items) != 2:
+            raise PlanError(f"{where} must map argument names to shapes, got {pair!r}")
+        name = checked_str(items[0], f"a {where} name", PlanError)
+        dims = checked_list(items[1], f"{where}[{name!r}]", PlanError)
+        out.append((name, tuple(checked_bytes(d, f"{where}[{name!r}]", PlanError, hi=None,
+                                              unit="elements") for d in dims)))
+    return tuple(out)
+
+
 def _check_figures(plan: Plan) -> None:
     """The text fields are strings, the figures non-negative and finite (or ``None``)."""
     checked_str(plan.algorithm, "Plan.algorithm", PlanError)
@@ -280,6 +325,8 @@ def _check_figures(plan: Plan) -> None:
         "predicted_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
         "measured_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
         "solved_budget_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=None),
+        "persistent_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
+        "activation_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
         "measured_time_ms": lambda v, w: checked_ms(v, w, PlanError, hi=None),
         "compiled_peak_bytes": lambda v, w: checked_bytes(v, w, PlanError, hi=MAX_INT64),
         "predicted_time_ms": lambda v, w: checked_ms(v, w, PlanError, hi=None),

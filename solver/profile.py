@@ -176,6 +176,9 @@ class UnitProfile:
             the forward pass of kept units a little, never under-counts.
         options: the measured cost of every option the runtime offers for this
             unit; ``keep`` is always present.
+        param_signature: ``"<parameter count>:<hash>"`` of the unit's parameters'
+            names, shapes and dtypes (:mod:`remat.runtime.structure`); plans carry it
+            so that a model of another width is refused. ``None``: not recorded.
     """
 
     name: str
@@ -190,9 +193,13 @@ class UnitProfile:
     input_held_outside: bool = False
     output_held_outside: bool = False
     autocast_cache_bytes: int = 0
+    param_signature: str | None = None
 
     def __post_init__(self) -> None:
         checked_str(self.name, "UnitProfile.name", ProfileError)
+        if self.param_signature is not None:
+            checked_str(self.param_signature, f"unit {self.name!r}: UnitProfile.param_signature",
+                        ProfileError)
         checked_str(self.type_name, f"unit {self.name!r}: UnitProfile.type_name", ProfileError)
         _check_fields(self, ints=_UNIT_INTS, bools=_UNIT_BOOLS, floats=("fwd_ms", "bwd_ms"),
                       owner=f"unit {self.name!r}: UnitProfile")

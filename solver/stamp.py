@@ -8,13 +8,14 @@ never a search's own arithmetic.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from remat.solver.events import keep_all_peak_bytes, step_model
 from remat.solver.plan import Plan, Status
-from remat.solver.profile import Profile
+from remat.solver.profile import OutsideCost, Profile
 from remat.solver.simulate import simulate
 
-__all__ = ["keep_all_when_it_fits", "stamp_plan"]
+__all__ = ["activations_only", "keep_all_when_it_fits", "stamp_plan"]
 
 
 def stamp_plan(
@@ -50,7 +51,55 @@ def stamp_plan(
         unit_types=tuple(u.type_name for u in profile.units),
         device=profile.device.split(":")[0],
         loop=profile.loop,
+        input_shapes=tuple(profile.input_shapes.items()),
+        unit_signatures=_signatures(profile),
+        persistent_bytes=profile.fixed_bytes + profile.grad_bytes,
+        activation_peak_bytes=simulate(activations_only(profile), plan).peak_bytes,
     )
+
+
+def activations_only(profile: Profile) -> Profile:
+    """``profile`` without the bytes that do not grow with the batch: parameters,
+    buffers, optimizer state and its step, parameter gradients.
+
+    Its peak under a plan is the plan's activation peak, whatever the moment: the
+    runtime scales it to inputs larger than the profiled ones (``persistent +
+    growth * activation peak`` bounds every moment's bytes when activations grow
+    linearly), where scaling the plan's own peak would not, since that peak may sit
+    where the gradients are the bulk and activations few.
+    """
+    cached = profile.__dict__.get(_ACTIVATIONS_ONLY)
+    if cached is not None:
+        return cached
+
+    def no_grads(outside: OutsideCost) -> OutsideCost:
+        return replace(outside, param_grad_bytes=0)
+
+    reduced = replace(
+        profile,
+        units=tuple(replace(u, param_grad_bytes=0) for u in profile.units),
+        prefix=no_grads(profile.prefix),
+        suffix=no_grads(profile.suffix),
+        param_bytes=0,
+        buffer_bytes=0,
+        optimizer_state_bytes=0,
+        optimizer_step_peak_bytes=0,
+        grad_in_flight_bytes=0,
+        measured_peak_bytes=None,
+    )
+    # Kept on the (frozen) profile like its event model: every plan stamped from one
+    # profile (a frontier, verification's rounds) reuses it and its event model.
+    profile.__dict__[_ACTIVATIONS_ONLY] = reduced
+    return reduced
+
+
+_ACTIVATIONS_ONLY = "_remat_activations_only"
+
+
+def _signatures(profile: Profile) -> tuple[str, ...] | None:
+    """The units' structure signatures, when the profile recorded every one."""
+    signatures = tuple(u.param_signature for u in profile.units)
+    return None if any(s is None for s in signatures) else signatures  # type: ignore[return-value]
 
 
 def keep_all_when_it_fits(

@@ -1,0 +1,113 @@
+"""Units that write into their own inputs, found before a recomputation depends on them.
+
+A unit whose forward modifies an argument in place (``x += 1.0``, ``mask.masked_fill_``)
+trains fine unplanned, but cannot be recomputed: ``checkpoint`` and ``selective``
+hold the argument to rerun the forward from it in backward, and by then the forward
+has overwritten it (torch fails in backward: "one of the variables needed for gradient
+computation has been modified by an inplace operation"). Such a unit can only be
+``keep``.
+
+Two ways to tell, one for each side of remat:
+
+* :func:`argument_versions` / :func:`written_arguments`: compare the tensors'
+  version counters before and after a call. Cheap; for the profiler's capture pass,
+  which runs each unit plainly once (a unit that writes its input is offered
+  ``keep`` only), and as the runtime's check on later calls.
+* :class:`WriteProbe`: a dispatch mode that raises :class:`InputWritten` *before* an
+  op writes into the storage of a watched tensor. The runtime runs a unit's first
+  recomputed call under it, so the write never happens inside a checkpoint region:
+  the region is abandoned and the call runs plainly instead (:mod:`.apply`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "InputWritten",
+    "WriteProbe",
+    "argument_versions",
+    "tensor_arguments",
+    "written_arguments",
+]
+
+Versions = list[tuple[str, torch.Tensor, int]]
+
+
+def tensor_arguments(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor a call takes, nested ones included, with a label for messages
+    (``"argument 0"``, ``"keyword 'attention_mask'"``)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    labelled = [(f"argument {i}", a) for i, a in enumerate(args)]
+    labelled += [(f"keyword {k!r}", v) for k, v in kwargs.items()]
+    for label, value in labelled:
+        if isinstance(value, torch.Tensor):
+            found.append((label, value))
+            continue
+        leaves = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        found.extend((f"{label}[{k}]", t) for k, t in enumerate(leaves))
+    return found
+
+
+def argument_versions(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Versions:
+    """The version counter of every tensor argument, to compare after the call."""
+    return [(label, t, t._version) for label, t in tensor_arguments(args, kwargs)]
+
+
+def written_arguments(before: Versions, skip: Iterable[torch.Tensor] = ()) -> list[str]:
+    """Labels of the arguments written in place since :func:`argument_versions` (``skip``:
+    tensors whose writes do not matter, by identity)."""
+    skipped = {id(t) for t in skip}
+    return [label for label, t, version in before
+            if t._version != version and id(t) not in skipped]
+
+
+class InputWritten(Exception):  # noqa: N818 - control flow between the probe and its caller
+    """Raised by :class:`WriteProbe` before ``op`` writes into watched argument ``label``."""
+
+    def __init__(self, label: str, op: str) -> None:
+        super().__init__(f"{op} writes into {label}")
+        self.label = label
+        self.op = op
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
+        return None
+
+
+class WriteProbe(TorchDispatchMode):
+    """Raises :class:`InputWritten` before any op writes into a watched tensor's storage
+    (the tensor itself or a view of it: ``add_``, ``copy_``, ``out=``...)."""
+
+    def __init__(self, watched: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self.watched: dict[int, str] = {}
+        for label, t in watched:
+            key = _storage_key(t)
+            if key is not None:
+                self.watched.setdefault(key, label)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        for k, arg in enumerate(func._schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            value = args[k] if k < len(args) else kwargs.get(arg.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    label = self.watched.get(_storage_key(t))  # type: ignore[arg-type]
+                    if label is not None:
+                        raise InputWritten(label, str(func))
+        return func(*args, **kwargs)
