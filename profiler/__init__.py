@@ -6,6 +6,7 @@ step of the model as it is, planned or not.
 """
 
 from remat.profiler.capture import ChainCheck, check_chain
+from remat.profiler.choice import UnitChoice, find_units
 from remat.profiler.profile import default_options, profile
 from remat.profiler.step import StepMeasurement, measure_step
 from remat.profiler.units import discover_units
@@ -15,9 +16,11 @@ measure = measure_step  # ``remat.measure``
 __all__ = [
     "ChainCheck",
     "StepMeasurement",
+    "UnitChoice",
     "check_chain",
     "default_options",
     "discover_units",
+    "find_units",
     "measure",
     "measure_step",
     "profile",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from remat.bytesize import format_bytes
 from remat.profiler.saves import SaveRecord
+from remat.solver.profile import Profile
 
 __all__ = ["WARN_BELOW", "Coverage", "measure_coverage", "warn_if_low"]
 
@@ -88,15 +89,17 @@ def measure_coverage(record: SaveRecord, unit_names: Sequence[str]) -> Coverage:
     )
 
 
-def warn_if_low(coverage: Coverage, model_name: str) -> None:
-    """Warn, naming the largest uncovered modules, when coverage is under :data:`WARN_BELOW`."""
-    if coverage.fraction >= WARN_BELOW:
+def warn_if_low(profile: Profile, model_name: str) -> None:
+    """Warn, naming the largest uncovered modules (``profile.meta["uncovered"]``), when
+    ``profile.coverage`` is under :data:`WARN_BELOW`."""
+    if profile.coverage is None or profile.coverage >= WARN_BELOW:
         return
-    shown = ", ".join(f"{name} {format_bytes(b)}" for name, b in coverage.uncovered[:_SHOWN])
+    meta = profile.meta
+    shown = ", ".join(f"{name} {format_bytes(b)}" for name, b in meta.get("uncovered", []))
     log.warning(
         "the units hold %.0f%% of %s's activation memory (%s of %s): a plan cannot drop the "
         "rest. Largest holders outside the units: %s. Pass units= including them (a list of "
         "module names) to plan them too",
-        100 * coverage.fraction, model_name, format_bytes(coverage.held_bytes),
-        format_bytes(coverage.activation_bytes), shown,
+        100 * profile.coverage, model_name, format_bytes(meta.get("covered_bytes", 0)),
+        format_bytes(meta.get("activation_bytes", 0)), shown,
     )

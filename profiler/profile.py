@@ -210,13 +210,49 @@ def profile(
             "checkpointed layers as 'keep'; call model.gradient_checkpointing_disable() first"
         )
     level = check_granularity(granularity)
+    settings = _Settings(loss_fn, optimizer, options, warmup, repeats, tolerance, pool_twins,
+                         progress, loop if loop is not None else Loop())
+    result, choice = _profile(model, sample_batch, units, level, settings)
+    if level == "auto" and choice.children is not None:
+        from remat.profiler.granularity import pick_level
+
+        finer, _ = _profile(model, sample_batch, list(choice.children), "blocks", settings)
+        finer = replace(finer, meta={**finer.meta, "units_from": "children of the blocks",
+                                     "granularity": "children"})
+        result = pick_level(result, finer)
+    warn_if_low(result, type(model).__name__)
+    return result
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """profile()'s arguments besides the model, the batch and the units."""
+
+    loss_fn: LossFn | None
+    optimizer: torch.optim.Optimizer | None
+    options: Iterable[str | Option] | None
+    warmup: int
+    repeats: int
+    tolerance: float
+    pool_twins: bool
+    progress: bool | None
+    loop: Loop
+
+
+def _profile(
+    model: nn.Module, sample_batch: Any, units: UnitsSpec, level: str, settings: _Settings
+) -> tuple[Profile, UnitChoice]:
+    """One profile of ``model`` at granularity ``level`` (``"auto"`` as ``"blocks"``,
+    recording the children to compare), and the choice of its units."""
+    loss_fn, optimizer, loop = settings.loss_fn, settings.optimizer, settings.loop
+    warmup, repeats, tolerance = settings.warmup, settings.repeats, settings.tolerance
+    pool_twins = settings.pool_twins
     given = discover_units(model, units) if units is not None else None
     device = model_device(model)
-    opts = _resolve_options(options, device)
+    opts = _resolve_options(settings.options, device)
     watch = Stopwatch(device)
-    bar = Progress(4 + (optimizer is not None), progress)
+    bar = Progress(4 + (optimizer is not None), settings.progress)
     started = time.perf_counter()
-    loop = loop if loop is not None else Loop()
     try:
         with training_session(model, optimizer) as state:
             params = state.params
@@ -303,17 +339,7 @@ def profile(
     )
     log.debug("profile phases (s): %s",
               {k: round(v, 3) for k, v in bar.durations().items()})
-    if level == "auto" and choice.children is not None:
-        from remat.profiler.granularity import pick_level
-
-        finer = profile(model, sample_batch, loss_fn=loss_fn, units=list(choice.children),
-                        optimizer=optimizer, options=options, warmup=warmup, repeats=repeats,
-                        tolerance=tolerance, pool_twins=pool_twins, progress=progress, loop=loop)
-        finer = replace(finer, meta={**finer.meta, "units_from": "children of the blocks",
-                                     "granularity": "children"})
-        return pick_level(result, finer)
-    warn_if_low(choice.coverage, type(model).__name__)
-    return result
+    return result, choice
 
 
 def _with_coverage(
