@@ -1,6 +1,7 @@
 """Measure a model's training step, unit by unit, for the solver (needs torch).
 
-``profile(model, batch)`` returns a :class:`~remat.solver.Profile`;
+``profile(model, batch)`` returns a :class:`~remat.solver.Profile` (its units found
+by ``find_units``: the repeated blocks of the whole model, and its ``coverage``);
 ``measure_step(model, batch)`` (exported as ``remat.measure``) measures a real
 step of the model as it is, planned or not.
 """

@@ -75,7 +75,7 @@ class _Tree:
         for c in self.calls:
             if c.parent is not None:
                 self.children[c.parent].append(c.index)
-        self.last = {}  # call -> the last call started inside it (itself if none)
+        self.last: dict[int, int] = {}  # call -> the last call started inside it (or itself)
         for c in reversed(self.calls):
             self.last[c.index] = max([c.index] + [self.last[k] for k in self.children[c.index]])
 

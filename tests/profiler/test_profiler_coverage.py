@@ -281,3 +281,32 @@ def test_children_level_and_auto_granularity() -> None:
     assert p.n == compared[p.meta["granularity"]]["units"]
     with pytest.raises(ProfileError, match="granularity"):
         profile(model, batch, loss_fn=loss_fn, granularity="layers", **FAST)
+
+
+@pytest.mark.transformers
+def test_hugging_face_layers_are_the_blocks_and_what_they_hold_is_not() -> None:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from remat.profiler.blocks import block_names
+
+    class Layer(GradientCheckpointingLayer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])  # uniform, inside
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(sum(h(x) for h in self.heads))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer(), Layer()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    assert block_names(Model()) == ["layers.0", "layers.1", "layers.2"]
+    choice = find_units(Model(), torch.randn(2, 8), loss_fn=lambda o, b: o.sum())
+    assert choice.names == ["layers.0", "layers.1", "layers.2"]
