@@ -215,17 +215,42 @@ def trace_units(
     return UnitTrace(order, calls, chain)
 
 
-def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None) -> ChainCheck:
+def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None,
+                loss_fn: Any = None) -> ChainCheck:
     """Run one forward pass of ``model`` and tell whether its units form a chain.
 
-    ``units`` as for :func:`~remat.profiler.units.discover_units`. The model is left
-    as it was (buffers, RNG state, modes; no backward runs).
+    ``units`` as for :func:`~remat.profiler.units.discover_units`; by default the units
+    ``profile()`` would discover (:func:`~remat.profiler.choice.find_units`, which
+    runs the forward pass once more, and the loss: ``loss_fn`` when the output has no
+    ``.loss``; a model without a loss is recorded up to its output). The model is
+    left as it was (buffers, RNG state, modes; no backward runs).
     """
     from remat.profiler.state import training_session
     from remat.profiler.step import call_model
-    from remat.profiler.units import discover_units
 
-    found = discover_units(model, units)
+    found = _units_to_check(model, sample_batch, units, loss_fn)
     with training_session(model):
         trace = trace_units(model, found, lambda: call_model(model, sample_batch))
     return trace.chain
+
+
+def _units_to_check(model: nn.Module, sample_batch: Any, units: Any,
+                    loss_fn: Any) -> list[tuple[str, nn.Module]]:
+    from remat.profiler.choice import choose
+    from remat.profiler.loop import call_model
+    from remat.profiler.saves import record_saves
+    from remat.profiler.state import training_session
+    from remat.profiler.units import discover_units
+
+    if units is not None:
+        return discover_units(model, units)
+
+    def forward() -> Any:
+        output = call_model(model, sample_batch)
+        return output if loss_fn is None else loss_fn(output, sample_batch)
+
+    # The loss only adds saves outside the model, which no unit can hold: without
+    # one, discovery sees the same modules.
+    with training_session(model):
+        record = record_saves(model, forward)
+    return choose(model, record).units

@@ -3,6 +3,9 @@
 The passes, in order (none changes the model: everything is restored at the end,
 also on error):
 
+0. **units** (:mod:`.saves`, :mod:`.choice`): one forward pass records what every
+   module saves for backward; the units are discovered on it (or taken from
+   ``units=``) and their coverage of the step's activation memory measured;
 1. **capture** (:mod:`.capture`): one forward pass records the units' order,
    inputs and RNG states, and whether they form a chain;
 2. **optimizer** (when one is given): two steps create its state; the second
@@ -14,6 +17,9 @@ also on error):
 5. **units** (:mod:`.replay`): each unit replayed alone under each option, once
    under the meter (not keep when the baseline step gave its bytes), then
    timed up to ``repeats`` times (twin units, :mod:`.twins`, share one timing).
+   An option that fails on a unit (selective checkpointing of a tensor mutated in
+   place, a recomputation torch refuses) is dropped for that unit, with a warning
+   naming the unit, the option and the reason; the unit's ``options`` lack it.
 
 Timed runs stop early once those taken bracket the median of ``repeats`` tightly
 enough (``tolerance``): with three repeats, two runs that agree within 5% do.
@@ -42,7 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -51,16 +57,21 @@ from torch import nn
 from remat.errors import ProfileError
 from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
 from remat.profiler.capture import UnitCall, UnitTrace, trace_units
+from remat.profiler.choice import UnitChoice, check_granularity, choose
+from remat.profiler.coverage import warn_if_low
 from remat.profiler.instrument import instrumented_step
 from remat.profiler.loop import StepRunner
 from remat.profiler.progress import Progress
 from remat.profiler.replay import (
+    OPTION_ERRORS,
+    OptionFailure,
     OptionFigures,
     TimingSamples,
     UnitTiming,
     measure_option,
     time_unit,
 )
+from remat.profiler.saves import record_saves
 from remat.profiler.state import ModelState, clear_grads, training_session
 from remat.profiler.step import (
     LossFn,
@@ -128,6 +139,7 @@ def profile(
     pool_twins: bool = True,
     progress: bool | None = None,
     loop: Loop | None = None,
+    granularity: str = "blocks",
 ) -> Profile:
     """Measure one training step of ``model`` on ``sample_batch``, unit by unit.
 
@@ -137,7 +149,11 @@ def profile(
             dict (``model(**batch)``), on the model's device.
         loss_fn: ``loss_fn(output, batch) -> scalar Tensor``; by default the output's
             ``.loss`` attribute or ``"loss"`` key (Hugging Face outputs).
-        units: which modules are units (see :func:`discover_units`); discovered by default.
+        units: which modules are units (see :func:`discover_units`); by default the
+            repeated blocks of the whole model, chosen on a recorded forward pass by the
+            activation memory they hold (:mod:`remat.profiler.discovery`). The profile's
+            ``coverage`` is the share the units hold; below 80% a warning names the
+            largest modules outside them.
         optimizer: include ``optimizer.step()``: its state bytes and step peak are measured.
         options: options to measure (``keep`` is always included); default keep,
             checkpoint, selective, and offload on CUDA.
@@ -158,6 +174,11 @@ def profile(
             pass, autocast, a gradient scaler, ``zero_grad(set_to_none=...)``);
             default ``Loop()``, a plain loop that keeps the output. The profile
             measures that loop and records it.
+        granularity: ``"blocks"`` plans the units as found; ``"children"`` each
+            unit's children instead; ``"auto"``, where the units are few (under 8) or
+            one holds half of their memory, profiles both levels and returns the
+            one whose optimal plans are faster over a range of budgets
+            (:mod:`remat.profiler.granularity`; it costs a second profile).
 
     Returns:
         The :class:`Profile`. Byte figures come from the dispatch-level
@@ -166,7 +187,8 @@ def profile(
     Raises:
         NoUnitsError: no units found; pass ``units=``.
         LossNotFoundError: the output has no loss and no ``loss_fn`` was given.
-        ProfileError: units that overlap, do not run exactly once, or bad arguments.
+        ProfileError: units that overlap, do not run exactly once, or bad arguments;
+            every option but keep failing on every unit (the message says why).
 
     Nothing about the model changes: parameters, buffers, ``.grad``, ``requires_grad``,
     train/eval modes, RNG states and the optimizer state are restored.
@@ -187,17 +209,62 @@ def profile(
             "the model has Hugging Face gradient checkpointing on: the profile measures its "
             "checkpointed layers as 'keep'; call model.gradient_checkpointing_disable() first"
         )
-    found = discover_units(model, units)
+    level = check_granularity(granularity)
+    settings = _Settings(loss_fn, optimizer, options, warmup, repeats, tolerance, pool_twins,
+                         progress, loop if loop is not None else Loop())
+    result, choice = _profile(model, sample_batch, units, level, settings)
+    if level == "auto" and choice.children is not None:
+        from remat.profiler.granularity import pick_level
+
+        finer, _ = _profile(model, sample_batch, list(choice.children), "blocks", settings)
+        finer = replace(finer, meta={**finer.meta, "units_from": "children of the blocks",
+                                     "granularity": "children"})
+        result = pick_level(result, finer)
+    warn_if_low(result, type(model).__name__)
+    return result
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """profile()'s arguments besides the model, the batch and the units."""
+
+    loss_fn: LossFn | None
+    optimizer: torch.optim.Optimizer | None
+    options: Iterable[str | Option] | None
+    warmup: int
+    repeats: int
+    tolerance: float
+    pool_twins: bool
+    progress: bool | None
+    loop: Loop
+
+
+def _profile(
+    model: nn.Module, sample_batch: Any, units: UnitsSpec, level: str, settings: _Settings
+) -> tuple[Profile, UnitChoice]:
+    """One profile of ``model`` at granularity ``level`` (``"auto"`` as ``"blocks"``,
+    recording the children to compare), and the choice of its units."""
+    loss_fn, optimizer, loop = settings.loss_fn, settings.optimizer, settings.loop
+    warmup, repeats, tolerance = settings.warmup, settings.repeats, settings.tolerance
+    pool_twins = settings.pool_twins
+    given = discover_units(model, units) if units is not None else None
     device = model_device(model)
-    opts = _resolve_options(options, device)
+    opts = _resolve_options(settings.options, device)
     watch = Stopwatch(device)
-    bar = Progress(len(found) + 3 + (optimizer is not None), progress)
+    bar = Progress(4 + (optimizer is not None), settings.progress)
     started = time.perf_counter()
-    loop = loop if loop is not None else Loop()
     try:
         with training_session(model, optimizer) as state:
             params = state.params
             runner = StepRunner(model, sample_batch, loss_fn, optimizer, loop, device.type)
+            bar.step("units")
+            record = record_saves(model, runner.forward)
+            state.rng.restore()
+            state.restore_buffers()
+            choice = choose(model, record, units, given, level)
+            del record
+            found = choice.units
+            bar.total += len(found)  # now known
             bar.step("capture")
             losses = []
             trace = trace_units(model, found, lambda: losses.append(runner.forward()[1]))
@@ -263,14 +330,30 @@ def profile(
               "repeats": repeats, "tolerance": tolerance, "pool_twins": pool_twins,
               "profile_s": round(seconds, 3)},
     )
+    result = _with_coverage(result, choice, figures, opts)
     log.info(
-        "profiled %d units of %s (%s) in %.2f s (%.1f steps): step %.2f ms, peak %d B",
-        result.n, type(model).__name__, "chain" if result.is_chain else "not a chain", seconds,
+        "profiled %d units of %s (%s, coverage %.0f%%) in %.2f s (%.1f steps): step %.2f ms, "
+        "peak %d B", result.n, type(model).__name__,
+        "chain" if result.is_chain else "not a chain", 100 * choice.coverage.fraction, seconds,
         seconds * 1e3 / max(step.step_ms, 1e-9), step.step_ms, result.measured_peak_bytes,
     )
     log.debug("profile phases (s): %s",
               {k: round(v, 3) for k, v in bar.durations().items()})
-    return result
+    return result, choice
+
+
+def _with_coverage(
+    result: Profile, choice: UnitChoice, figures: dict[str, dict[str, OptionFigures]],
+    opts: list[str],
+) -> Profile:
+    """``result`` with its coverage and the units' choice in ``meta``, and the options
+    dropped per unit (``meta["dropped_options"]``)."""
+    dropped = {name: [o for o in opts if o not in figures[name]] for name in figures}
+    dropped = {name: missing for name, missing in dropped.items() if missing}
+    meta = {**result.meta, **choice.to_meta(), **choice.coverage.to_meta()}
+    if dropped:
+        meta["dropped_options"] = dropped
+    return replace(result, coverage=choice.coverage.fraction, meta=meta)
 
 
 @dataclass
@@ -315,22 +398,32 @@ def _measure_units(
     figures: dict[str, dict[str, OptionFigures]] = {}
     pools: dict[Hashable, _Pool] = {}
     pool_of: dict[str, _Pool] = {}
+    failures: list[tuple[str, OptionFailure]] = []
     for i, (name, _module) in enumerate(ordered):
         bar.step(f"unit {name}")
         call = trace.calls[name]
         in_step = keep_in_step[i] if i < len(keep_in_step) else None
-        figures[name] = {
-            o: in_step if o == Option.KEEP.value and in_step is not None
-            else measure_option(call, o, device_type, params, autocast=autocast)
-            for o in opts
-        }
+        figures[name] = {}
+        for o in opts:
+            result = in_step if o == Option.KEEP.value and in_step is not None else _try_option(
+                call, o, device_type, params, autocast)
+            if isinstance(result, OptionFailure):
+                log.warning("unit %r: option %r dropped, it cannot run on this unit: %s",
+                            name, o, result.reason)
+                failures.append((name, result))
+                state.restore_buffers()
+            else:
+                figures[name][o] = result
         sig = signatures[name]
         still_to_come[sig] -= 1
-        pool = pools.setdefault((sig, tuple(figures[name].items())), _Pool(TimingSamples(timed)))
+        unit_timed = tuple(o for o in timed if o in figures[name])
+        pool = pools.setdefault((sig, tuple(figures[name].items())),
+                                _Pool(TimingSamples(unit_timed)))
         pool.members.append(name)
         pool_of[name] = pool
         if not pool.samples.settled(timing.repeats, timing.tolerance):
-            time_unit(call, timed, watch, params, warmup=timing.warmup, repeats=timing.repeats,
+            time_unit(call, pool.samples.options, watch, params, warmup=timing.warmup,
+                      repeats=timing.repeats,
                       tolerance=timing.tolerance, samples=pool.samples,
                       max_rounds=1 if still_to_come[sig] else None, autocast=autocast)
             if pool.pending is not None:
@@ -345,7 +438,7 @@ def _measure_units(
     for pool in pools.values():
         if pool.pending is not None:
             if not pool.samples.settled(timing.repeats, timing.tolerance):
-                time_unit(pool.pending, timed, watch, params, warmup=timing.warmup,
+                time_unit(pool.pending, pool.samples.options, watch, params, warmup=timing.warmup,
                           repeats=timing.repeats, tolerance=timing.tolerance, samples=pool.samples,
                           autocast=autocast)
                 state.restore_buffers()
@@ -353,5 +446,44 @@ def _measure_units(
     if len(pools) < len(ordered):
         log.debug("timed %d units as %d groups of twins: %s", len(ordered), len(pools),
                   [p.members for p in pools.values() if len(p.members) > 1])
+    _check_some_option_runs(failures, figures, opts)
     timings = {name: pool_of[name].samples.timing() for name, _ in ordered}
     return figures, timings
+
+
+def _try_option(
+    call: UnitCall,
+    option: str,
+    device_type: str,
+    params: list[nn.Parameter],
+    autocast: Callable[[], ContextManager[None]],
+) -> OptionFigures | OptionFailure:
+    """The option's metered replay; an option other than keep that fails on the unit is
+    an :class:`OptionFailure`. Those options run only after the unit ran under keep in
+    the profiler's training steps, so what they raise comes from the option."""
+    if option == Option.KEEP.value:
+        return measure_option(call, option, device_type, params, autocast=autocast)
+    try:
+        return measure_option(call, option, device_type, params, autocast=autocast)
+    except OPTION_ERRORS as err:
+        clear_grads(params)
+        return OptionFailure.of(option, err)
+
+
+def _check_some_option_runs(
+    failures: list[tuple[str, OptionFailure]],
+    figures: dict[str, dict[str, OptionFigures]],
+    opts: list[str],
+) -> None:
+    """Raise when options besides keep were asked for and none ran on any unit."""
+    if len(opts) < 2 or any(len(f) > 1 for f in figures.values()):
+        return
+    reasons = {}
+    for name, failure in failures:
+        reasons.setdefault(failure.option, f"{failure.reason} (unit {name!r})")
+    raise ProfileError(
+        "every option but keep failed on every unit, so no plan could save memory: "
+        + "; ".join(f"{o}: {r}" for o, r in reasons.items())
+        + ". Check that the units' forwards can be recomputed (no in-place change of their "
+        "inputs, the same tensors on every call), or pass units= naming other modules"
+    )

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.errors import RematError
 from remat.profiler.capture import UnitCall
 from remat.profiler.state import clear_grads
 from remat.profiler.timeline import TimelineMeter
@@ -45,7 +46,15 @@ from remat.profiler.timing import Stopwatch, median, parts_settled
 from remat.runtime.boundary import boundary_output, storage_nbytes
 from remat.runtime.options import forward_with_option
 
-__all__ = ["OptionFigures", "TimingSamples", "UnitTiming", "measure_option", "time_unit"]
+__all__ = [
+    "OPTION_ERRORS",
+    "OptionFailure",
+    "OptionFigures",
+    "TimingSamples",
+    "UnitTiming",
+    "measure_option",
+    "time_unit",
+]
 
 log = logging.getLogger("remat")
 
@@ -176,6 +185,29 @@ def measure_option(
         input_grad_bytes=input_grad,
         forward_cache_bytes=max(cache_bytes, 0),
     )
+
+
+@dataclass(frozen=True)
+class OptionFailure:
+    """An option that could not run on a unit, and why (the error, on one line)."""
+
+    option: str
+    reason: str
+
+    @classmethod
+    def of(cls, option: str, err: BaseException) -> OptionFailure:
+        text = " ".join(str(err).split())
+        if len(text) > 200:
+            text = text[:197] + "..."
+        return cls(option, f"{type(err).__name__}: {text}")
+
+
+# What an option's machinery raises on a unit it cannot run: torch's checkpoint
+# errors (CheckpointError, a mutated tensor under selective checkpointing, a saved
+# tensor modified in place: RuntimeError), unsupported inputs or outputs (TypeError,
+# ValueError), remat's own refusals (offload without CUDA). Only options other than
+# keep are caught: keep runs the unit's own forward, whose errors are the model's.
+OPTION_ERRORS = (RuntimeError, TypeError, ValueError, RematError)
 
 
 @dataclass

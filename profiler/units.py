@@ -1,18 +1,21 @@
 """Units: the modules whose activations a plan keeps, checkpoints or offloads.
 
-Default discovery, in order:
-
-1. an ``nn.Sequential`` model: its children;
-2. the longest ``nn.ModuleList`` / ``nn.Sequential`` anywhere in the model whose
-   children (at least 2) are all of one type: Hugging Face ``transformer.h``,
-   ``model.layers``, ``encoder.layer``, a CNN's residual blocks;
-3. otherwise :class:`NoUnitsError`, asking for ``units=``.
+Default discovery is **measured** (:func:`remat.profiler.choice.find_units`, which
+``profile()`` runs): the repeated blocks of the whole model (:mod:`.blocks`),
+at the level that holds its activation memory, joined by the modules that make
+them a chain or hold what they miss (:mod:`.discovery`). Without a sample batch
+nothing can be measured, and :func:`discover_units` returns every block of the
+innermost level instead. Either way, no block found is :class:`NoUnitsError`,
+asking for ``units=``.
 
 ``units=`` takes a list of module names, a module class or tuple of classes (every
 module of that type, outermost only), or a predicate ``(name, module) -> bool``
 (outermost matches only, like FSDP's auto-wrap policy). A single string naming a
 ``ModuleList`` / ``Sequential`` means its children. Units must be disjoint
 subtrees, and never the model itself.
+
+:func:`longest_list` is the discovery remat had before it measured (the longest
+uniform list only): kept to compare with.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from remat.errors import NoUnitsError, ProfileError
+from remat.profiler.blocks import block_names
 
-__all__ = ["UnitsSpec", "discover_units"]
+__all__ = ["UnitsSpec", "discover_units", "longest_list", "no_units_error"]
 
 UnitsSpec = (
     Sequence[str]
@@ -57,19 +61,35 @@ def _children(prefix: str, container: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{prefix}{sep}{n}", c) for n, c in container.named_children()]
 
 
-def _default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def no_units_error(model: nn.Module) -> NoUnitsError:
+    """The error for a model in which default discovery finds no block."""
+    return NoUnitsError(
+        f"cannot find units in {type(model).__name__}: it is not an nn.Sequential, has no "
+        "nn.ModuleList/nn.Sequential of 2+ modules of one type (like a transformer's layers), "
+        f"no Hugging Face layers and no class of its own used twice; {_UNITS_HELP}"
+    )
+
+
+def longest_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of the longest uniform ``ModuleList`` / ``Sequential`` (the first on
+    a tie), or of the model when it is an ``nn.Sequential``: remat's discovery before
+    it measured, which can miss most of a model (one stage of a CNN, a decoder)."""
     if isinstance(model, nn.Sequential) and len(model) > 0:
         return _children("", model)
     candidates = _containers(model)
     if not candidates:
-        raise NoUnitsError(
-            f"cannot find units in {type(model).__name__}: it is not an nn.Sequential and has "
-            "no nn.ModuleList/nn.Sequential of 2+ modules of one type (like a transformer's "
-            f"layers); {_UNITS_HELP}"
-        )
-    # The longest list; on a tie the first in module order (the outermost).
+        raise no_units_error(model)
     name, container = max(candidates, key=lambda c: len(list(c[1].children())))
     return _children(name, container)
+
+
+def _innermost_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every block (:mod:`.blocks`) that holds no other block, in module order."""
+    names = block_names(model)
+    inner = [n for n in names if not any(b.startswith(n + ".") for b in names)]
+    if not inner:
+        raise no_units_error(model)
+    return [(n, model.get_submodule(n)) for n in inner]
 
 
 def _outermost(
@@ -120,6 +140,11 @@ def _check_disjoint(units: list[tuple[str, nn.Module]]) -> None:
 def discover_units(model: nn.Module, units: UnitsSpec = None) -> list[tuple[str, nn.Module]]:
     """The units of ``model`` as ``(qualified name, module)`` pairs, in module order.
 
+    With ``units=None`` this is the unmeasured default: every block of the innermost
+    level (:mod:`.blocks`). ``profile()`` measures instead
+    (:func:`remat.profiler.choice.find_units`), which may choose another level and
+    add the modules between or around the blocks.
+
     Execution order (what a profile records) may differ; the profiler reorders
     them after running the model.
 
@@ -128,7 +153,7 @@ def discover_units(model: nn.Module, units: UnitsSpec = None) -> list[tuple[str,
         ProfileError: an unknown name, overlapping or duplicate units.
     """
     if units is None:
-        found = _default_units(model)
+        found = _innermost_blocks(model)
     elif isinstance(units, str):
         target = _by_names(model, [units])[0][1]
         if isinstance(target, (nn.ModuleList, nn.Sequential)):

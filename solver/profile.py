@@ -361,6 +361,12 @@ class Profile:
             gradients alive (``grads_alive_at_start``) they are extra bytes.
         shared: tensors handed to units besides their boundary input
             (:class:`SharedTensor`); in no other figure.
+        coverage: the share (0 to 1) of the step's activation memory (the bytes
+            autograd saves for backward) that the units hold, i.e. that a plan can
+            drop; ``None`` when not measured (a profile made by hand). The profiler
+            puts the figures behind it in ``meta``: ``activation_bytes``,
+            ``covered_bytes``, ``unit_activation_bytes`` (per unit) and ``uncovered``
+            (the largest holders outside the units, ``[module, bytes]``).
 
     Every byte figure here and in the units is an int in ``[0, MAX_BYTES]``, every
     time a finite float in ``[0, MAX_MS]`` milliseconds; anything else (a string,
@@ -389,9 +395,13 @@ class Profile:
     shared: tuple[SharedTensor, ...] = ()
     last_output_kept: bool = False
     grad_in_flight_bytes: int = 0
+    coverage: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", checked_list(self.units, "Profile.units", ProfileError))
+        if self.coverage is not None:
+            _set(self, "coverage", checked_ms(self.coverage, "Profile.coverage", ProfileError,
+                                              hi=1.0, unit="a share of the activation bytes"))
         if not isinstance(self.loop, Loop):
             raise ProfileError(f"Profile.loop must be a remat.Loop, got {type(self.loop).__name__}")
         _set(self, "shared", tuple(checked_list(self.shared, "Profile.shared", ProfileError)))
@@ -514,9 +524,15 @@ class Profile:
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_frame(self):  # -> pandas.DataFrame (imported lazily: pandas is slow to import)
-        """One row per unit: its measured times, bytes, and each option's costs."""
+        """One row per unit: its measured times, bytes, and each option's costs.
+
+        With a measured coverage, the column ``activation_share`` is each unit's share
+        of the step's activation memory, and ``frame.attrs["coverage"]`` the units' total
+        share (:attr:`coverage`).
+        """
         import pandas as pd
 
+        shares = self._activation_shares()
         rows = []
         for u in self.units:
             row = {
@@ -533,13 +549,25 @@ class Profile:
                 "bwd_transient_bytes": u.keep.bwd_peak_bytes,
                 "param_grad_bytes": u.param_grad_bytes,
             }
+            if shares is not None:
+                row["activation_share"] = shares.get(u.name, 0.0)
             for name, c in u.options.items():
                 if name == Option.KEEP.value:
                     continue
                 row[f"{name}_held_bytes"] = u.held_bytes(name)
                 row[f"{name}_extra_ms"] = c.extra_ms
             rows.append(row)
-        return pd.DataFrame(rows)
+        frame = pd.DataFrame(rows)
+        frame.attrs["coverage"] = self.coverage
+        return frame
+
+    def _activation_shares(self) -> dict[str, float] | None:
+        """Per unit its share of the activation bytes, from ``meta`` (``None``: not measured)."""
+        total = self.meta.get("activation_bytes")
+        per_unit = self.meta.get("unit_activation_bytes")
+        if not isinstance(total, int) or total <= 0 or not isinstance(per_unit, Mapping):
+            return None
+        return {name: b / total for name, b in per_unit.items() if isinstance(b, (int, float))}
 
     # -- serialisation ------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -28,12 +28,14 @@ def test_json_round_trip(gpt_profile: Profile, tmp_path) -> None:
 
 def test_frame_has_one_row_per_unit_and_every_option(gpt_profile: Profile) -> None:
     frame = gpt_profile.to_frame()
-    assert list(frame["unit"]) == ["blocks.0", "blocks.1"]
+    # The blocks, and the final norm and head that discovery joins to them (issue 13).
+    assert list(frame["unit"]) == ["blocks.0", "blocks.1", "ln_f", "lm_head"]
     for column in ("fwd_ms", "bwd_ms", "saved_bytes", "param_grad_bytes", "checkpoint_held_bytes",
                    "checkpoint_extra_ms", "selective_held_bytes", "selective_extra_ms"):
         assert column in frame.columns
     # Checkpointing a block holds less than keeping it.
-    assert (frame["checkpoint_held_bytes"] < frame["saved_bytes"]).all()
+    blocks = frame[frame["unit"].str.startswith("blocks.")]
+    assert (blocks["checkpoint_held_bytes"] < blocks["saved_bytes"]).all()
 
 
 def test_profile_fields(gpt_profile: Profile) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from torch import nn
 from remat import models
 from remat.errors import LossNotFoundError, NoUnitsError, ProfileError
 from remat.profiler import discover_units, profile
+from remat.profiler.units import longest_list
 from remat.runtime import apply_plan
 from remat.solver.plan import Plan
 
@@ -49,8 +52,11 @@ def test_sequential_model_units_are_its_children() -> None:
     assert names(discover_units(model)) == ["0", "1", "2"]
 
 
-def test_longest_uniform_list_wins_and_mixed_lists_do_not_count() -> None:
-    assert names(discover_units(TwoLists())) == ["blocks.0", "blocks.1", "blocks.2"]
+def test_every_uniform_list_counts_and_mixed_lists_do_not() -> None:
+    # Issue 13: the whole model, not only the longest list (which longest_list() keeps).
+    assert names(discover_units(TwoLists())) == ["short.0", "short.1", "blocks.0", "blocks.1",
+                                                 "blocks.2"]
+    assert names(longest_list(TwoLists())) == ["blocks.0", "blocks.1", "blocks.2"]
 
 
 def test_reference_models_units() -> None:
@@ -156,7 +162,7 @@ def test_loss_from_output_attribute_and_key() -> None:
         assert [u.name for u in p.units] == ["layers.0", "layers.1"]
 
 
-def test_unit_that_never_runs_or_runs_twice() -> None:
+def test_unit_that_never_runs_or_runs_twice(caplog: pytest.LogCaptureFixture) -> None:
     class Reuse(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -172,7 +178,12 @@ def test_unit_that_never_runs_or_runs_twice() -> None:
 
     x = torch.randn(2, 8)
     with pytest.raises(ProfileError, match="more than once"):
-        profile(Reuse(), x, loss_fn=loss_fn)
+        profile(Reuse(), x, loss_fn=loss_fn, units=["blocks.0", "blocks.1"])
+    # Discovery measures first: it leaves the reused block out, and says so.
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        p = profile(Reuse(), x, loss_fn=loss_fn, repeats=1, warmup=0)
+    assert [u.name for u in p.units] == ["blocks.1"]
+    assert "'blocks.0' runs 2 times" in caplog.text
     with pytest.raises(ProfileError, match="did not run"):
         profile(Reuse(), x, loss_fn=loss_fn, units=["blocks.1", "unused"])
 
