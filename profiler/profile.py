@@ -87,6 +87,7 @@ from remat.profiler.units import UnitsSpec, discover_units
 from remat.runtime.apply import planned
 from remat.solver.loop import Loop
 from remat.solver.profile import Option, Profile
+from remat.validate import check_profile_args
 
 __all__ = ["default_options", "profile"]
 
@@ -193,6 +194,7 @@ def profile(
     Nothing about the model changes: parameters, buffers, ``.grad``, ``requires_grad``,
     train/eval modes, RNG states and the optimizer state are restored.
     """
+    check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop)
     if repeats < 1 or warmup < 0 or not 0 <= tolerance < 1:
         raise ProfileError(
             f"need repeats >= 1, warmup >= 0 and 0 <= tolerance < 1, got {repeats=} {warmup=} "

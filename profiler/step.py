@@ -27,6 +27,7 @@ from remat.profiler.loop import Carry, LossFn, StepRunner, call_model, compute_l
 from remat.profiler.state import ModelState, clear_grads, training_session
 from remat.profiler.timing import Stopwatch, median, parts_settled
 from remat.solver.loop import Loop
+from remat.validate import check_profile_args
 
 __all__ = [
     "LossFn",
@@ -260,6 +261,8 @@ def measure_step(
     Raises:
         LossNotFoundError: no ``loss_fn`` and the output has no ``.loss``.
     """
+    check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
+                       where="measure()")
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"need repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
     loop = loop if loop is not None else Loop()

@@ -1,10 +1,19 @@
-"""What users call: ``solve`` (profile + optimise) and ``pareto`` (the trade-off curve).
+"""What users call: ``solve`` (profile + optimise), ``pareto`` (the trade-off curve),
+and the checked front door of ``apply_plan``.
 
 Budget semantics, everywhere in remat: a memory budget is the **peak of one
 training step on the device, everything included** -- parameters, buffers,
 gradients, optimizer state (when an optimizer is given), activations and
 temporaries. Strings such as ``"8GB"`` (SI), ``"7.5GiB"`` (binary) and ``"60%"``
-(of the step's peak without checkpointing) are accepted.
+are accepted. A percentage is a share of the **activation memory**: ``"60%"`` is
+the persistent bytes (parameters, buffers, optimizer state, gradients) plus 60% of
+what the no-checkpoint peak holds above them; ``"60% of peak"``
+(:func:`remat.of_peak`) is 60% of the whole no-checkpoint peak
+(:mod:`remat.solver.budget`).
+
+Every entry point checks its arguments before it profiles (:mod:`remat.validate`):
+a wrong argument is a :class:`~remat.errors.RematError` that names it and the fix,
+and costs no profiling time.
 """
 
 from __future__ import annotations
@@ -14,15 +23,24 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from remat.errors import RematError
+from remat.solver.budget import of_activations, persistent_bytes, resolve_budget
 from remat.solver.loop import Loop
+from remat.solver.params import check_count
 from remat.solver.plan import Plan
 from remat.solver.profile import Profile
+from remat.validate import (
+    check_budget_arg,
+    check_inputs,
+    check_method,
+    check_model,
+    check_plan,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
     from torch import nn
 
-__all__ = ["activation_budget", "pareto", "solve"]
+__all__ = ["activation_budget", "apply_plan", "pareto", "solve"]
 
 log = logging.getLogger("remat")
 
@@ -37,13 +55,9 @@ def _as_profile(
     options: Sequence[str] | None,
     loop: Loop | None = None,
 ) -> Profile:
+    """``model_or_profile`` itself, or the profile of the model on ``sample_batch``."""
     if isinstance(model_or_profile, Profile):
         return model_or_profile
-    if sample_batch is None:
-        raise RematError(
-            "solve() needs a sample batch to profile the model: remat.solve(model, sample_batch, "
-            "memory_budget=...), or pass a Profile: remat.solve(profile, memory_budget=...)"
-        )
     from remat.profiler import profile
 
     return profile(
@@ -84,8 +98,10 @@ def solve(
             inputs, or a dict of keyword inputs (``model(**batch)``).
         memory_budget: the peak of one training step, everything included
             (parameters, gradients, optimizer state, activations, temporaries):
-            bytes as an int, or ``"8GB"``, ``"7.5GiB"``, ``"512MiB"``, ``"60%"``
-            (of the peak without checkpointing). ``None``: no limit.
+            bytes as an int, or ``"8GB"``, ``"7.5GiB"``, ``"512MiB"``; ``"60%"`` of the
+            activation memory (the persistent bytes plus 60% of the rest of the
+            no-checkpoint peak), ``"60% of peak"`` of the whole no-checkpoint peak
+            (also :func:`remat.of_activations`, :func:`remat.of_peak`). ``None``: no limit.
         method: ``"optimal"`` (default, exact dynamic programming), ``"dp"``,
             ``"ilp"`` (CP-SAT), ``"chen"``, ``"chen-greedy"``, ``"uniform"``,
             ``"all"`` (checkpoint every unit), ``"none"``.
@@ -120,11 +136,25 @@ def solve(
         The :class:`Plan`, with its predicted peak and time.
 
     Raises:
-        BudgetError: the budget cannot be parsed.
+        ArgumentError: an argument of the wrong kind (checked before profiling).
+        BudgetError: the budget cannot be parsed (checked before profiling).
+        UnknownMethodError, UnknownParameterError: a method or keyword that does not
+            exist (checked before profiling).
         InfeasibleBudgetError: no plan fits; it carries the smallest feasible peak.
     """
     if isinstance(model_or_profile, Profile) and memory_budget is None and sample_batch is not None:
         memory_budget, sample_batch = sample_batch, None  # remat.solve(profile, "8GB")
+    # Everything that can be wrong without the profile fails before profiling starts.
+    check_inputs("solve()", model_or_profile, sample_batch, loss_fn=loss_fn,
+                  optimizer=optimizer, loop=loop)
+    check_budget_arg(memory_budget)
+    if compiled:
+        check_method(method, {})
+    else:
+        check_method(method, solver_params)
+    if verify and memory_budget is not None and not isinstance(model_or_profile, Profile):
+        check_count("verify_rounds", verify_rounds, lo=1, meaning="the most plans verification "
+                    "measures; verify=False skips it", owner="solve()")
     if compiled and (isinstance(model_or_profile, Profile) or memory_budget is None):
         raise RematError(
             "compiled=True measures candidate plans compiled, so it needs the model, a sample "
@@ -192,6 +222,11 @@ def pareto(
     ``baselines=True`` it also holds the points of no checkpointing, every block,
     uniform segments and Chen's sqrt(n).
     """
+    check_inputs("pareto()", model_or_profile, sample_batch, loss_fn=loss_fn,
+                  optimizer=optimizer, loop=loop)
+    check_count("points", points, lo=1, meaning="how many budgets to solve at",
+                owner="pareto()")
+    check_method(method, {})
     prof = _as_profile(
         model_or_profile,
         sample_batch,
@@ -207,16 +242,31 @@ def pareto(
 
 
 def activation_budget(profile: Profile, fraction: float) -> int:
-    """A budget that leaves ``fraction`` of the step's activation memory.
+    """A budget that leaves ``fraction`` of the step's activation memory, in bytes.
 
-    Activation memory is the no-checkpoint peak minus what no plan can remove
-    (parameters, buffers, optimizer state and gradients):
-    ``budget = persistent + fraction * (peak_without_checkpointing - persistent)``.
+    The same as the budget ``f"{100 * fraction}%"`` (or :func:`remat.of_activations`):
+    ``persistent + fraction * (peak_without_checkpointing - persistent)``, where
+    persistent is the parameters, buffers, optimizer state and gradients
+    (:func:`remat.solver.budget.persistent_bytes`).
     """
     if not 0.0 <= fraction <= 1.0:
         raise RematError(f"fraction must be within [0, 1], got {fraction}")
-    from remat.solver.simulate import simulate
+    if fraction == 0:
+        return persistent_bytes(profile)
+    return resolve_budget(of_activations(fraction), profile)
 
-    peak = simulate(profile, Plan.keep_all([u.name for u in profile.units])).peak_bytes
-    persistent = profile.fixed_bytes + profile.grad_bytes
-    return persistent + int(fraction * max(peak - persistent, 0))
+
+def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
+    """:func:`remat.runtime.apply_plan` after checking its arguments: change ``model`` in
+    place so that training runs under ``plan``; returns ``model``.
+
+    Raises:
+        ArgumentError: ``model`` is not a module, or ``plan`` is not a Plan (a path to a
+            plan file: load it with ``remat.Plan.from_json(path)``).
+        PlanMismatchError: the plan does not fit the model.
+    """
+    check_model(model, "apply_plan()")
+    check_plan(plan, "apply_plan()")
+    from remat.runtime import apply_plan as apply
+
+    return apply(model, plan)

@@ -44,12 +44,12 @@ from remat.profiler.state import clear_grads, training_session
 from remat.profiler.step import LossFn, fixed_bytes, grad_bytes, model_device
 from remat.profiler.timing import Stopwatch
 from remat.runtime import apply_plan, planned, remove_plan
-from remat.solver.budget import parse_budget
+from remat.solver.budget import resolve_budget
 from remat.solver.loop import Loop
 from remat.solver.pareto import frontier_plans
 from remat.solver.plan import Plan, Status
 from remat.solver.profile import Profile
-from remat.solver.solve import no_checkpoint_peak_bytes, solve_profile
+from remat.solver.solve import solve_profile
 
 __all__ = ["CompiledStep", "compile_planned", "measure_compiled", "solve_compiled"]
 
@@ -227,7 +227,7 @@ def solve_compiled(
             f"{max_compiles=} {partitioner_budgets=}"
         )
     started = time.perf_counter()
-    budget = parse_budget(memory_budget, reference_peak_bytes=no_checkpoint_peak_bytes(profile))
+    budget = resolve_budget(memory_budget, profile)
     dp_method = "dp" if method == "optimal" else method
     candidates = frontier_plans(profile, points=points, method=dp_method)
     if measure is None:

@@ -20,7 +20,7 @@ from remat.solver.baselines import (
     keep_all_plan,
     uniform_plan,
 )
-from remat.solver.budget import parse_budget
+from remat.solver.budget import resolve_budget
 from remat.solver.dp import solve_dp
 from remat.solver.params import UnknownParameterError
 from remat.solver.plan import Plan
@@ -117,8 +117,8 @@ def solve_profile(
 
     Args:
         profile: the measured profile.
-        memory_budget: bytes, ``"8GB"``/``"7.5GiB"``, ``"60%"`` of the no-checkpoint
-            peak, or ``None`` for no budget.
+        memory_budget: bytes, ``"8GB"``/``"7.5GiB"``, ``"60%"`` of the activation memory
+            (``"60% of peak"``: of the no-checkpoint peak), or ``None`` for no budget.
         method: one of :data:`ALGORITHMS`.
         params: the algorithm's own parameters (``k=`` for uniform,
             ``time_limit_s=`` for ilp, ...: :func:`algorithm_parameters`).
@@ -134,7 +134,7 @@ def solve_profile(
     _check_parameters(method, params)
     budget = None
     if memory_budget is not None:
-        budget = parse_budget(memory_budget, reference_peak_bytes=no_checkpoint_peak_bytes(profile))
+        budget = resolve_budget(memory_budget, profile)
     plan = fn(profile, budget, **params)
     log.info(
         "remat: %s plan for %d units, budget %s B: peak %s B, %.3f ms (%s, %.1f ms to solve)",

@@ -190,3 +190,53 @@ def test_no_module_imports_another_modules_private_names():
         if alias.name.startswith("_")
     ]
     assert borrowed == []
+
+
+# --------------------------------------------------------------------------- any model
+def test_a_plain_byte_count_is_a_budget(capsys):
+    assert main(["solve", "--model", "mlp", "--size", "tiny", "--budget", "130000000"]) == 0
+    assert "budget 124.0 MiB" in capsys.readouterr().out
+
+
+def test_logits_model_with_a_named_loss_and_loop_options(tmp_path, capsys, monkeypatch):
+    (tmp_path / "logits_factory.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "def make():\n"
+        "    blocks = [nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)]\n"
+        "    model = nn.Sequential(*blocks, nn.Linear(32, 10))\n"
+        "    return model, torch.randn(256, 32), torch.randint(0, 10, (256,))\n"
+        "def regress():\n"
+        "    blocks = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)]\n"
+        "    model = nn.Sequential(*blocks)\n"
+        "    return model, torch.randn(64, 8), torch.randn(64, 8)\n"
+        "def loss(output, batch):\n"
+        "    return output.float().pow(2).mean()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "plan.json"
+    assert main(["solve", "--model", "logits_factory:make", "--loss", "cross_entropy",
+                 "--budget", "90%", "--optimizer", "adamw", "--accumulation-steps", "2",
+                 "--drop-output", "--measure", "--out", str(out)]) == 0
+    assert "measured  peak" in capsys.readouterr().out
+    loop = json.loads(out.read_text())["loop"]
+    assert loop["accumulation_steps"] == 2 and loop["keep_output"] is False
+    assert main(["estimate", "--model", "logits_factory:regress", "--loss", "mse"]) == 0
+    assert main(["profile", "--model", "logits_factory:make", "--loss", "logits_factory:loss",
+                 "--autocast", "bfloat16"]) == 0
+    capsys.readouterr()
+    # Without --loss the logits-only model stops with the fix, before profiling.
+    assert main(["solve", "--model", "logits_factory:make", "--budget", "1GB"]) == 2
+    assert "--loss cross_entropy" in capsys.readouterr().err
+
+
+def test_help_lists_the_contract_methods_and_budget_forms():
+    from remat.cli import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    for phrase in ("module:function", "(model, sample_batch, target)", "60% of peak",
+                   "chen-greedy", "ilp", "130000000"):
+        assert phrase in text, phrase
+    solve_help = parser._subparsers._group_actions[0].choices["solve"].format_help()
+    assert "--accumulation-steps" in solve_help and "60% of peak" in solve_help

@@ -1,8 +1,10 @@
 """The README's main command: remat's whole job on a reference model, with measurements.
 
 Profile the model, draw the optimal frontier, solve at half of its activation
-memory, apply the plan, measure a real step, compare with the baselines, train a
-few steps under the plan, and write the plot. ``python -m remat demo`` runs it
+memory (``"50%"``; raised to the smallest feasible peak when half is below what
+any plan reaches, as on the tiny models, and said so), apply the plan, measure a
+real step, compare with the baselines, train a few steps under the plan, and write
+the plot. ``python -m remat demo`` runs it
 (the command line imports this module only then); it prints, as the CLI does.
 """
 
@@ -14,10 +16,12 @@ import torch
 
 import remat
 from remat.api import activation_budget
-from remat.bytesize import mib
+from remat.bytesize import format_bytes, mib
 from remat.models.load import load_model
+from remat.output import check_writable, write_atomic
 from remat.profiler.step import forward_loss
 from remat.report import print_table
+from remat.solver.pareto import min_feasible_peak
 
 __all__ = ["run_demo"]
 
@@ -25,6 +29,10 @@ __all__ = ["run_demo"]
 def run_demo(*, model_name: str = "gpt", size: str = "small", out_dir: Path = Path("out")) -> None:
     """Run the demo on ``model_name`` (a built-in name or ``module:function``) at
     ``size``; writes ``demo_pareto.png`` and ``demo_plan.json`` into ``out_dir``."""
+    # The outputs are checked before the minutes of work that make them.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_path, plan_path = out_dir / "demo_pareto.png", out_dir / "demo_plan.json"
+    check_writable(plot_path, "--out-dir")
     model, batch, loss_fn, label = load_model(model_name, size=size)
     print(f"== remat demo: {label}")
     profile = remat.profile(model, batch, loss_fn=loss_fn)
@@ -33,7 +41,13 @@ def run_demo(*, model_name: str = "gpt", size: str = "small", out_dir: Path = Pa
         f"step {profile.step_ms:.0f} ms, peak {mib(profile.measured_peak_bytes)} MiB"
     )
     budget = activation_budget(profile, 0.5)
-    print(f"budget: half of the activation memory = {mib(budget)} MiB\n")
+    floor = min_feasible_peak(profile)
+    if budget < floor:
+        print(f"budget: half of the activation memory ({format_bytes(budget)}) is below the "
+              f"smallest peak any plan reaches, so the demo uses that: {format_bytes(floor)}\n")
+        budget = floor
+    else:
+        print(f"budget: half of the activation memory (\"50%\") = {mib(budget)} MiB\n")
 
     plans = {
         "no checkpointing": remat.solve(profile, method="none"),
@@ -48,7 +62,9 @@ def run_demo(*, model_name: str = "gpt", size: str = "small", out_dir: Path = Pa
             m = remat.measure(model, batch, loss_fn=loss_fn)
         finally:
             remat.remove_plan(model)
-        measured.append({"peak_bytes": m.peak_bytes, "time_ms": m.time_ms, "label": name})
+        measured.append({"peak_bytes": m.peak_bytes, "time_ms": m.time_ms, "label": name,
+                         "predicted_peak_bytes": plan.predicted_peak_bytes,
+                         "predicted_time_ms": plan.predicted_time_ms})
         rows.append(
             {
                 "method": name,
@@ -74,12 +90,11 @@ def run_demo(*, model_name: str = "gpt", size: str = "small", out_dir: Path = Pa
         print(f"  step {step}: loss {loss.item():.4f}")
     remat.remove_plan(model)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     frontier = remat.pareto(profile)
     fig = remat.plot_pareto(
         frontier, measured=measured, budgets=[budget], title=f"remat on {label}"
     )
-    path = out_dir / "demo_pareto.png"
-    fig.savefig(path, dpi=130)
-    plan.to_json(str(out_dir / "demo_plan.json"))
-    print(f"\nwrote {path} and {out_dir / 'demo_plan.json'}")
+    write_atomic(plot_path, lambda tmp: fig.savefig(tmp, format="png", dpi=130))
+    text = plan.to_json()
+    write_atomic(plan_path, lambda tmp: Path(tmp).write_text(text))
+    print(f"\nwrote {plot_path} and {plan_path}")

@@ -71,8 +71,11 @@ def test_every_method_returns_a_stamped_plan(method: str) -> None:
 
 def test_solve_profile_parses_the_budget() -> None:
     reference = keep_peak(PROFILE)
-    plan = solve_profile(PROFILE, "70%")
-    assert plan.budget_bytes == math.floor(0.7 * reference) >= plan.predicted_peak_bytes
+    persistent = PROFILE.fixed_bytes + PROFILE.grad_bytes
+    plan = solve_profile(PROFILE, "70%")  # of the activation memory
+    expected = persistent + math.floor(0.7 * (reference - persistent))
+    assert plan.budget_bytes == expected >= plan.predicted_peak_bytes
+    assert solve_profile(PROFILE, "70% of peak").budget_bytes == math.floor(0.7 * reference)
     assert solve_profile(PROFILE, "400 MiB").budget_bytes == 400 * 2**20
     assert solve_profile(PROFILE, "0.4 GB").budget_bytes == 400_000_000
     assert solve_profile(PROFILE, reference).options == (KEEP,) * PROFILE.n

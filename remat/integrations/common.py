@@ -1,0 +1,131 @@
+"""What the trainer callbacks share: their settings, solving and applying, and the report.
+
+A callback plans once, when training starts: it takes the trainer's first batch, its
+loop (accumulation, mixed precision) and its optimizer, solves with
+:func:`remat.solve` (which verifies the plan by measuring it), applies the plan, and
+later measures one real optimizer step of the trainer itself (:mod:`.step_meter`).
+:class:`RunReport` holds the figures: the budget, the predicted peak, the peak
+measured while verifying, and the trainer's own measured step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from remat.bytesize import format_bytes
+from remat.errors import RematError
+from remat.integrations.step_meter import TrainerStepPeak
+from remat.solver.loop import Loop
+from remat.solver.plan import Plan
+from remat.validate import check_budget_arg, check_loss_fn, check_method
+
+__all__ = ["CallbackSettings", "IntegrationError", "RunReport", "solve_plan"]
+
+log = logging.getLogger("remat")
+
+
+class IntegrationError(RematError):
+    """A trainer set up in a way remat cannot plan for (its own checkpointing on, ...)."""
+
+
+@dataclass(frozen=True)
+class CallbackSettings:
+    """What a callback solves with: the budget and :func:`remat.solve`'s options."""
+
+    memory_budget: Any
+    method: str = "optimal"
+    loss_fn: Any = None
+    units: Any = None
+    options: Any = None
+    verify: bool = True
+    include_optimizer: bool = True
+    measure_step: int | None = 1
+    solver_params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Fail when the callback is made, not minutes later when training starts.
+        if self.memory_budget is None:
+            raise IntegrationError("RematCallback needs memory_budget (e.g. '8GB', '50%'): the "
+                                   "peak one training step may reach on the device")
+        check_budget_arg(self.memory_budget)
+        check_method(self.method, self.solver_params)
+        check_loss_fn(self.loss_fn, "RematCallback")
+        step = self.measure_step
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)
+                                 or step < 0):
+            raise IntegrationError(f"RematCallback(measure_step={step!r}): the optimizer step "
+                                   "to measure, an int >= 0, or None not to measure")
+
+
+@dataclass
+class RunReport:
+    """A planned training run's memory figures, in bytes."""
+
+    plan: Plan
+    loop: Loop
+    budget_bytes: int
+    predicted_peak_bytes: int
+    verified_peak_bytes: int | None
+    trainer_step: TrainerStepPeak | None = None
+    measured_at_step: int | None = None
+
+    @classmethod
+    def of(cls, plan: Plan, loop: Loop) -> RunReport:
+        """The report of a solved plan (its budget, predicted and verified peaks)."""
+        return cls(plan, loop, plan.budget_bytes or 0, plan.predicted_peak_bytes or 0,
+                   plan.measured_peak_bytes)
+
+    def summary(self) -> str:
+        """One paragraph: the plan, the budget, predicted and measured peaks."""
+        text = (f"remat: plan {self.plan.summary()} for {self.loop.describe()}; budget "
+                f"{format_bytes(self.budget_bytes)}, predicted peak "
+                f"{format_bytes(self.predicted_peak_bytes)}")
+        if self.verified_peak_bytes is not None:
+            text += f", measured while solving {format_bytes(self.verified_peak_bytes)}"
+        if self.trainer_step is not None:
+            text += (f", measured in the trainer's step {self.measured_at_step} "
+                     f"{format_bytes(self.trainer_step.peak_bytes)} (meter "
+                     f"{format_bytes(self.trainer_step.meter_peak_bytes)}, allocator "
+                     f"{format_bytes(self.trainer_step.allocator_peak_bytes)})")
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures as flat ``remat/...`` keys (for a trainer's log history)."""
+        d: dict[str, Any] = {
+            "remat/plan": self.plan.summary(),
+            "remat/budget_bytes": self.budget_bytes,
+            "remat/predicted_peak_bytes": self.predicted_peak_bytes,
+            "remat/verified_peak_bytes": self.verified_peak_bytes,
+        }
+        if self.trainer_step is not None:
+            d["remat/trainer_peak_bytes"] = self.trainer_step.peak_bytes
+            d["remat/trainer_step"] = self.measured_at_step
+        return d
+
+    def check_trainer_step(self) -> None:
+        """Log the trainer's measured step against the budget."""
+        if self.trainer_step is None:
+            return
+        peak = self.trainer_step.peak_bytes
+        if peak > self.budget_bytes:
+            log.warning("remat: the trainer's step %d measured %s, %s above the budget %s "
+                        "(predicted %s): the trainer's step holds what remat's loop does not "
+                        "(the next micro-batch it loads, gradient clipping, logging); lower "
+                        "the budget by that much",
+                        self.measured_at_step, format_bytes(peak),
+                        format_bytes(peak - self.budget_bytes), format_bytes(self.budget_bytes),
+                        format_bytes(self.predicted_peak_bytes))
+
+
+def solve_plan(model: Any, batch: Any, loop: Loop, optimizer: Any,
+               settings: CallbackSettings, *, loss_fn: Any = None) -> Plan:
+    """The verified plan for ``model`` on ``batch`` in ``loop`` (:func:`remat.solve`)."""
+    from remat.api import solve
+
+    return solve(model, batch, settings.memory_budget, method=settings.method,
+                 loss_fn=loss_fn if loss_fn is not None else settings.loss_fn,
+                 optimizer=optimizer if settings.include_optimizer else None,
+                 units=settings.units, options=settings.options, loop=loop,
+                 verify=settings.verify, **settings.solver_params)

@@ -1,0 +1,162 @@
+"""remat for Hugging Face's ``Trainer``: one callback plans the run for a memory budget.
+
+::
+
+    from remat.integrations.hf import RematCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[RematCallback(memory_budget="8GB")])
+    trainer.train()
+
+At ``on_train_begin`` (transformers 5 calls it after creating the optimizer and
+preparing the model and the data loader) the callback takes the first batch of the
+Trainer's own train data loader, describes the Trainer's loop from its arguments
+(:meth:`remat.Loop.hf_trainer`: gradient accumulation, ``bf16`` / ``fp16``, the
+output dropped after the loss), and solves with the Trainer's optimizer, so its
+state and its step count towards the budget. :func:`remat.solve` verifies the plan by
+measuring a step; the callback applies it to the model in place and, at optimizer
+step ``measure_step`` (default 1, the second: the first creates the optimizer's
+state), measures the Trainer's own step. The figures are logged on the ``remat``
+logger, kept in :attr:`RematCallback.report`, and appended to the Trainer's
+``state.log_history`` (so ``trainer_state.json`` has them) when training ends.
+
+The plan stays applied after training (evaluation and generation run without
+grad, where a plan costs nothing); ``remat.remove_plan(model)`` takes it off.
+
+Do not also turn on the Trainer's ``gradient_checkpointing`` /
+``activation_checkpointing``: the layers would be recomputed twice, so the callback
+refuses it (an :class:`~remat.integrations.common.IntegrationError`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import TrainerCallback
+
+from remat.integrations.common import CallbackSettings, IntegrationError, RunReport, solve_plan
+from remat.integrations.step_meter import StepMeter, unwrap_optimizer
+from remat.solver.loop import Loop
+
+__all__ = ["RematCallback"]
+
+log = logging.getLogger("remat")
+
+
+def _hf_checkpointing_on(args: Any, model: Any) -> bool:
+    flags = [getattr(args, name, False) for name in ("activation_checkpointing",
+                                                     "gradient_checkpointing")]
+    # transformers 5 renamed the model's flag; the old name warns there.
+    on_model = getattr(model, "is_activation_checkpointing", None)
+    if on_model is None:
+        on_model = getattr(model, "is_gradient_checkpointing", False)
+    return any(f is True for f in flags) or on_model is True
+
+
+class RematCallback(TrainerCallback):
+    """Plan activation checkpointing for a ``transformers.Trainer`` run under a budget.
+
+    Args:
+        memory_budget: the peak one training step may reach on the device: bytes,
+            ``"8GB"``, ``"7.5GiB"``, ``"50%"`` (of the activation memory) or ``"70% of
+            peak"`` (checked when the callback is made).
+        method: the solver (:func:`remat.solve`'s ``method``).
+        loss_fn: ``loss_fn(output, batch)``; default the output's ``.loss``, which the
+            Trainer uses too when the batch has ``labels``.
+        units, options: as for :func:`remat.profile`.
+        verify: let :func:`remat.solve` measure its plan (and re-solve when over).
+        include_optimizer: count the Trainer's optimizer (its state and step).
+        measure_step: the optimizer step (0-based) of the Trainer to measure; ``None``
+            measures none.
+        **solver_params: passed to the solver (``time_limit_s`` for ``"ilp"``...).
+
+    Attributes:
+        report: the :class:`~remat.integrations.common.RunReport` once training has
+            started (plan, budget, predicted peak, measured peaks).
+    """
+
+    def __init__(
+        self,
+        memory_budget: int | str,
+        *,
+        method: str = "optimal",
+        loss_fn: Any = None,
+        units: Any = None,
+        options: Any = None,
+        verify: bool = True,
+        include_optimizer: bool = True,
+        measure_step: int | None = 1,
+        **solver_params: Any,
+    ) -> None:
+        self.settings = CallbackSettings(memory_budget, method, loss_fn, units, options, verify,
+                                         include_optimizer, measure_step, dict(solver_params))
+        self.report: RunReport | None = None
+        self._meter: StepMeter | None = None
+
+    @property
+    def plan(self) -> Any:
+        """The plan applied (``None`` before training starts)."""
+        return None if self.report is None else self.report.plan
+
+    # -- Trainer events ---------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._refuse_hf_checkpointing(args, kwargs.get("model"))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model")
+        self._refuse_hf_checkpointing(args, model)
+        loader = kwargs.get("train_dataloader")
+        if model is None or loader is None:
+            raise IntegrationError(
+                "RematCallback: the Trainer passed no model or train_dataloader to "
+                "on_train_begin (transformers >= 4.44 passes both); give the Trainer a "
+                "train_dataset")
+        from remat.runtime import planned
+
+        if self.report is not None and planned(model) == self.report.plan:
+            log.info("remat: the plan is applied already (train() called again)")
+            return
+        try:
+            batch = next(iter(loader))
+        except StopIteration:
+            raise IntegrationError("RematCallback: the Trainer's train data loader is empty; "
+                                   "there is no batch to plan for") from None
+        optimizer = unwrap_optimizer(kwargs.get("optimizer"))
+        loop = Loop.hf_trainer(args)
+        plan = solve_plan(model, batch, loop, optimizer, self.settings)
+        from remat.api import apply_plan
+
+        apply_plan(model, plan)
+        self.report = RunReport.of(plan, loop)
+        log.info("%s", self.report.summary())
+        self._meter = StepMeter(model, optimizer)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if (self._meter is not None and not self._meter.running and self.report is not None
+                and self.report.trainer_step is None
+                and state.global_step == self.settings.measure_step):
+            self._meter.start()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._meter is not None and self._meter.running and self.report is not None:
+            self.report.trainer_step = self._meter.stop()
+            self.report.measured_at_step = self.settings.measure_step
+            log.info("%s", self.report.summary())
+            self.report.check_trainer_step()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._meter is not None and self._meter.running:
+            self._meter.abandon()
+        if self.report is not None:
+            state.log_history.append({**self.report.to_dict(), "step": state.global_step})
+
+    # -- checks -----------------------------------------------------------------------
+    @staticmethod
+    def _refuse_hf_checkpointing(args: Any, model: Any) -> None:
+        if _hf_checkpointing_on(args, model):
+            raise IntegrationError(
+                "RematCallback plans activation checkpointing itself, and the Trainer's "
+                "gradient_checkpointing (activation_checkpointing) is on too: the layers would "
+                "be recomputed twice. Set TrainingArguments(gradient_checkpointing=False) and "
+                "call model.gradient_checkpointing_disable(), or drop the callback")

@@ -1,0 +1,200 @@
+"""Misuse of every entry point: a RematError naming the input and the fix, before any work.
+
+The API cases check the exception's type and a phrase of its message, and that
+profiling never started where the mistake can be seen without a profile; the
+command-line cases check exit status 2, one line on stderr and no file written.
+The user's own exceptions (a loss or a model that raises) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import remat
+import remat.profiler.profile  # noqa: F401 - patched by no_profiling
+from remat.cli import main
+from remat.errors import BudgetError, RematError
+from remat.models import build
+from remat.plot import PlotError
+from remat.solver.params import ParameterError, UnknownParameterError
+from remat.solver.solve import UnknownMethodError
+from remat.validate import ArgumentError
+
+REF = build("mlp", size="tiny", seed=0)
+MODEL, BATCH, LOSS = REF.model, REF.batch, REF.loss_fn
+PROFILE = remat.profile(MODEL, BATCH, loss_fn=LOSS)
+
+
+class ProfilingStarted(AssertionError):
+    """Raised by the stand-in profiler: the mistake was not caught before profiling."""
+
+
+@pytest.fixture
+def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler's first step after its checks (finding the units) fails the test."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ProfilingStarted("profiling started before the argument was checked")
+
+    monkeypatch.setattr(sys.modules["remat.profiler.profile"], "discover_units", refuse)
+
+
+def _generator() -> Any:
+    yield BATCH
+
+
+CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+    ("plan path", lambda: remat.apply_plan(MODEL, "plan.json"), ArgumentError,
+     "remat.Plan.from_json('plan.json')"),
+    ("plan dict", lambda: remat.apply_plan(MODEL, {"unit_names": []}), ArgumentError,
+     "Plan.from_dict"),
+    ("apply to a non-model", lambda: remat.apply_plan("model", PROFILE), ArgumentError,
+     "torch.nn.Module"),
+    ("profile a string", lambda: remat.profile("not a model", BATCH), ArgumentError,
+     "needs model, a torch.nn.Module, got the str 'not a model'"),
+    ("optimizer by name", lambda: remat.profile(MODEL, BATCH, loss_fn=LOSS, optimizer="adam"),
+     ArgumentError, "torch.optim.AdamW(model.parameters())"),
+    ("optimizer class", lambda: remat.profile(MODEL, BATCH, optimizer=torch.optim.Adam),
+     ArgumentError, "not an instance"),
+    ("loss not callable", lambda: remat.profile(MODEL, BATCH, loss_fn="mse"), ArgumentError,
+     "loss_fn must be a callable"),
+    ("generator batch", lambda: remat.profile(MODEL, _generator(), loss_fn=LOSS),
+     ArgumentError, "next(iter(loader))"),
+    ("loader batch", lambda: remat.measure(MODEL, torch.utils.data.DataLoader([BATCH])),
+     ArgumentError, "pass one"),
+    ("loop as a dict", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=LOSS,
+                                           loop={"accumulation_steps": 2}),
+     ArgumentError, "remat.Loop(**loop)"),
+    ("solve without a batch", lambda: remat.solve(MODEL, memory_budget="1GB"), ArgumentError,
+     "sample batch"),
+    ("bad budget", lambda: remat.solve(MODEL, BATCH, "lots", loss_fn=LOSS), BudgetError,
+     "accepted forms"),
+    ("percentage of what", lambda: remat.solve(MODEL, BATCH, "50% of params", loss_fn=LOSS),
+     BudgetError, "'of activations' or 'of peak'"),
+    ("unknown method", lambda: remat.solve(MODEL, BATCH, "1GB", method="greedy", loss_fn=LOSS),
+     UnknownMethodError, "valid methods"),
+    ("unknown keyword", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=LOSS, k=2),
+     UnknownParameterError, "does not take ['k']"),
+    ("verify rounds", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=LOSS, verify_rounds=0),
+     ParameterError, "verify_rounds"),
+    ("pareto points 0", lambda: remat.pareto(MODEL, BATCH, loss_fn=LOSS, points=0),
+     ParameterError, "points"),
+    ("pareto points 2.5", lambda: remat.pareto(PROFILE, points=2.5), ParameterError,
+     "got points=2.5"),
+    ("uniform k=0", lambda: remat.solve(PROFILE, method="uniform", k=0), ParameterError,
+     "k, an int"),
+    ("plot an empty frame", lambda: remat.plot_pareto(pd.DataFrame()), PlotError, "empty"),
+    ("plot a list", lambda: remat.plot_pareto([1, 2]), PlotError, "DataFrame"),
+    ("plot bad measured", lambda: remat.plot_pareto(remat.pareto(PROFILE, points=2),
+                                                    measured=[{"peak": 1}]),
+     PlotError, "peak_bytes and time_ms"),
+    ("estimate a string", lambda: remat.estimate("gpt", BATCH), ArgumentError,
+     "torch.nn.Module"),
+    ("estimate bad budget", lambda: remat.estimate(PROFILE, memory_budget="8 gigs"),
+     BudgetError, "unknown unit"),
+]
+
+
+@pytest.mark.parametrize(("name", "call", "error", "phrase"), CASES, ids=[c[0] for c in CASES])
+def test_api_misuse(no_profiling: None, name: str, call: Callable[[], Any],
+                    error: type[Exception], phrase: str) -> None:
+    with pytest.raises(error) as info:
+        call()
+    assert isinstance(info.value, RematError)
+    assert phrase in str(info.value)
+
+
+def test_the_users_own_exceptions_pass_through() -> None:
+    def bad_loss(output: Any, batch: Any) -> Any:
+        raise ZeroDivisionError("the user's loss")
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyError("the user's model")
+
+    with pytest.raises(ZeroDivisionError, match="the user's loss"):
+        remat.profile(MODEL, BATCH, loss_fn=bad_loss)
+    with pytest.raises(KeyError, match="the user's model"):
+        remat.solve(Broken(), torch.randn(2, 4), "1GB", loss_fn=lambda o, b: o.sum())
+
+
+def test_callback_budget_is_checked_when_made() -> None:
+    pytest.importorskip("transformers")
+    from remat.integrations.hf import RematCallback
+
+    with pytest.raises(BudgetError, match="accepted forms"):
+        RematCallback(memory_budget="eight gigs")
+    with pytest.raises(UnknownMethodError):
+        RematCallback(memory_budget="1GB", method="fastest")
+
+
+# --------------------------------------------------------------------------- command line
+CLI_CASES: list[tuple[str, list[str], str]] = [
+    ("bad budget", ["solve", "--model", "mlp", "--size", "tiny", "--budget", "lots",
+                    "--out", "{out}"], "accepted forms"),
+    ("points 0", ["pareto", "--model", "mlp", "--size", "tiny", "--points", "0",
+                  "--out", "{png}"], "points"),
+    ("plot format", ["pareto", "--model", "mlp", "--size", "tiny", "--out", "{dir}/x.xyz"],
+     "cannot write .xyz"),
+    ("missing profile", ["solve", "--profile", "{dir}/missing.json", "--budget", "1GB",
+                         "--out", "{out}"], "does not exist"),
+    ("garbage profile", ["pareto", "--profile", "{garbage}", "--out", "{png}"], "garbage.json"),
+    ("measure a profile", ["solve", "--profile", "{dir}/p.json", "--budget", "1GB",
+                           "--measure"], "needs --model"),
+    ("loop options with a profile", ["pareto", "--profile", "{dir}/p.json", "--optimizer",
+                                     "adamw", "--out", "{png}"], "--optimizer describes"),
+    ("compile a profile", ["solve", "--profile", "{dir}/p.json", "--budget", "1GB",
+                           "--compiled"], "needs --model"),
+    ("no such folder", ["solve", "--model", "mlp", "--size", "tiny", "--budget", "1GB",
+                        "--out", "{dir}/nowhere/plan.json"], "does not exist"),
+    ("out is a folder", ["profile", "--model", "mlp", "--size", "tiny", "--out", "{dir}"],
+     "is a folder"),
+    ("out under a file", ["solve", "--model", "mlp", "--size", "tiny", "--budget", "1GB",
+                          "--out", "{garbage}/plan.json"], "is a file, not a folder"),
+    ("unknown method", ["solve", "--model", "mlp", "--size", "tiny", "--budget", "1GB",
+                        "--method", "greedy", "--out", "{out}"], "valid methods"),
+    ("loss needs a target", ["solve", "--model", "mlp", "--size", "tiny", "--budget", "1GB",
+                             "--loss", "cross_entropy", "--out", "{out}"], "target"),
+    ("unknown loss", ["solve", "--model", "mlp", "--size", "tiny", "--budget", "1GB",
+                      "--loss", "hinge", "--out", "{out}"], "valid are cross_entropy, mse"),
+    ("accumulation 0", ["estimate", "--model", "mlp", "--size", "tiny",
+                        "--accumulation-steps", "0"], "accumulation_steps"),
+]
+
+
+@pytest.mark.parametrize(("name", "argv", "phrase"), CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_misuse_is_one_line_and_exit_2(no_profiling: None, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str], name: str,
+                                           argv: list[str], phrase: str) -> None:
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json {")
+    before = set(tmp_path.iterdir())
+    args = [a.format(dir=tmp_path, out=tmp_path / "plan.json", png=tmp_path / "p.png",
+                     garbage=garbage) for a in argv]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("remat: error: "), err
+    assert phrase in err
+    assert set(tmp_path.iterdir()) == before  # nothing written, not even a temporary file
+
+
+def test_cli_failure_after_profiling_writes_nothing(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["solve", "--model", "mlp", "--size", "tiny", "--budget", "1B",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("remat: error: ")]
+    assert len(errors) == 1 and "infeasible" in errors[0]
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,88 @@
+"""RematCallback in a real transformers Trainer run: solve at train start, apply, measure."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from remat.integrations.common import IntegrationError  # noqa: E402
+from remat.integrations.hf import RematCallback  # noqa: E402
+from remat.runtime import planned  # noqa: E402
+
+VOCAB, SEQ = 128, 32
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 16) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=3, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                        use_cache=False, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def _args(tmp_path: Path, **kw: object) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                             max_steps=3, report_to=[], save_strategy="no", logging_steps=1,
+                             use_cpu=True, disable_tqdm=True, **kw)
+
+
+def test_trainer_trains_under_the_plan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    callback = RematCallback(memory_budget="50%")
+    trainer = Trainer(model=model, args=_args(tmp_path, gradient_accumulation_steps=2),
+                      train_dataset=Tokens(), callbacks=[callback])
+    with caplog.at_level(logging.INFO, logger="remat"):
+        trainer.train()
+    report = callback.report
+    assert trainer.state.global_step == 3
+    assert report is not None and planned(model) == report.plan
+    assert report.plan.loop is not None and report.plan.loop.accumulation_steps == 2
+    assert not report.plan.loop.keep_output  # the Trainer's loop
+    assert report.plan.options != ("keep",) * report.plan.n  # half the activations: it plans
+    assert report.predicted_peak_bytes <= report.budget_bytes
+    assert report.verified_peak_bytes is not None
+    assert report.verified_peak_bytes <= report.budget_bytes
+    # The Trainer's own second optimizer step, measured in the run.
+    step = report.trainer_step
+    assert step is not None and report.measured_at_step == 1
+    assert abs(step.peak_bytes - report.predicted_peak_bytes) <= 0.03 * step.peak_bytes
+    assert step.peak_bytes <= report.budget_bytes
+    assert "measured in the trainer's step 1" in caplog.text
+    last = trainer.state.log_history[-1]
+    assert last["remat/trainer_peak_bytes"] == step.peak_bytes
+    assert last["remat/predicted_peak_bytes"] == report.predicted_peak_bytes
+    print("\n" + report.summary())
+
+
+def test_hf_gradient_checkpointing_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(IntegrationError, match="recomputed twice"):
+        Trainer(model=_model(), args=_args(tmp_path, gradient_checkpointing=True),
+                train_dataset=Tokens(), callbacks=[RematCallback(memory_budget="1GB")])
+
+
+def test_model_checkpointing_turned_on_later_is_refused(tmp_path: Path) -> None:
+    model = _model()
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=Tokens(),
+                      callbacks=[RematCallback(memory_budget="1GB")])
+    model.gradient_checkpointing_enable()
+    with pytest.raises(IntegrationError, match="gradient_checkpointing"):
+        trainer.train()
