@@ -117,12 +117,14 @@ class SharedInStep:
         users: the units it was handed to, in forward order.
         held_to_end: code outside the units (the prefix, code between units) saved it
             for backward, or it outlived the step.
+        grad_bytes: the bytes of its gradient, when it requires one (0 otherwise).
     """
 
     nbytes: int
     born_after: int
     users: tuple[int, ...]
     held_to_end: bool
+    grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,7 @@ class _StepWatch:
         self.first_grad_tick: dict[int, int] = {}  # id(param) -> clock at its first gradient
         self.accumulated_tick: dict[int, int] = {}  # id(param) -> clock when .grad got it
         self.side_users: dict[int, list[int]] = {}  # storage record -> units handed it
+        self.side_grad: dict[int, int] = {}  # storage record -> bytes of its gradient
         self.handles: list[Any] = []
         self.start = self.forward_end = self.backward_end = self.mark()
 
@@ -228,6 +231,9 @@ class _StepWatch:
                 users = self.side_users.setdefault(rec, [])
                 if u.index not in users:
                     users.append(u.index)
+                if t.requires_grad:  # its users' backwards sum a gradient for it
+                    grad = t.numel() * t.element_size()
+                    self.side_grad[rec] = max(self.side_grad.get(rec, 0), grad)
         if x is not None and x.requires_grad:
             self.handles.append(x.register_hook(self._backward_hook(u, "end")))
 
@@ -412,7 +418,7 @@ def _shared(w: _StepWatch) -> dict[int, SharedInStep]:
                    and u.fwd_start.tick < record.born]
         outlives = record.died is None or record.died > w.backward_end.tick
         shared[rec] = SharedInStep(record.nbytes, max(started, default=-1), tuple(sorted(users)),
-                                   rec in outside_savers or outlives)
+                                   rec in outside_savers or outlives, w.side_grad.get(rec, 0))
     return shared
 
 

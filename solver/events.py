@@ -207,6 +207,22 @@ def _shared_alive_in_backward(profile: Profile) -> tuple[int, ...]:
     return tuple(alive)
 
 
+def _shared_grads_in_backward(profile: Profile) -> tuple[int, ...]:
+    """Per unit i, the gradients of shared tensors alive at its backward (made by a
+    later user's, not yet consumed by their maker's); at index n, those alive at the
+    prefix's backward."""
+    n = profile.n
+    alive = [0] * (n + 1)
+    for t in profile.shared:
+        if not t.grad_bytes or t.last_user <= t.born_after:
+            continue
+        for i in range(max(t.born_after, 0), t.last_user):
+            alive[i] += t.grad_bytes
+        if t.born_after < 0:
+            alive[n] += t.grad_bytes
+    return tuple(alive)
+
+
 def _suffix_bwd_const(profile: Profile) -> int:
     """What no plan changes at the suffix's backward (the loss is not made yet; on a
     chain the last unit's output is the end's own term, see :func:`_end_need`)."""
@@ -224,6 +240,7 @@ def _bwd_constants(profile: Profile) -> tuple[int, ...]:
     base = profile.fixed_bytes + profile.prefix.held_bytes + profile.loss_bytes
     base += profile.output_bytes + profile.kept_last_output_bytes
     base += profile.extra_grad_in_flight_bytes
+    shared_grads = _shared_grads_in_backward(profile)
     at_start = profile.grads_alive_at_start
     later_pgrad = profile.grad_bytes if at_start else profile.suffix.param_grad_bytes
     out: list[int] = [0] * n
@@ -232,7 +249,7 @@ def _bwd_constants(profile: Profile) -> tuple[int, ...]:
             grad_out = units[i + 1].input_grad_bytes
         else:
             grad_out = units[i].output_bytes
-        out[i] = base + later_pgrad + grad_out + shared[i]
+        out[i] = base + later_pgrad + grad_out + shared[i] + shared_grads[i]
         if not at_start:
             later_pgrad += units[i].param_grad_bytes
     return tuple(out)
@@ -254,6 +271,7 @@ def _floor_bytes(profile: Profile) -> int:
         + profile.prefix.bwd_peak_bytes
         + kept
         + profile.extra_grad_in_flight_bytes
+        + _shared_grads_in_backward(profile)[profile.n]
     )
     if profile.is_chain:
         # The prefix's hold on unit 0's input outlives unit 0, and so does its gradient.

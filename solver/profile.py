@@ -292,18 +292,27 @@ class SharedTensor:
     it, a little high where nobody does, never low. When code outside the units also
     holds it, it counts to the end of the step.
 
+    When it requires a gradient (an encoder's output, a learned position bias), its
+    users' backwards sum one for it, alive from the backward of its last user until
+    the code that made it has run its own (the backward of unit ``born_after``, or
+    the prefix's).
+
     Attributes:
         nbytes: its storage's bytes.
         born_after: ``-1`` when the prefix makes it, else the unit in (or after) whose
             forward it is made; it counts from the next unit's forward on.
         first_user: the first unit it is handed to (after ``born_after``).
         held_to_end: code outside the units holds it to the end of the backward pass.
+        last_user: the last unit it is handed to (``None``: ``first_user``).
+        grad_bytes: the bytes of its gradient (0 when it needs none).
     """
 
     nbytes: int
     born_after: int
     first_user: int
     held_to_end: bool = False
+    last_user: int | None = None
+    grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         _set(self, "nbytes", checked_bytes(self.nbytes, "SharedTensor.nbytes", ProfileError))
@@ -313,6 +322,14 @@ class SharedTensor:
                 raise ProfileError(f"SharedTensor.{name} must be an int, got {value!r}")
         _set(self, "held_to_end", checked_bool(self.held_to_end, "SharedTensor.held_to_end",
                                                ProfileError))
+        _set(self, "grad_bytes", checked_bytes(self.grad_bytes, "SharedTensor.grad_bytes",
+                                               ProfileError))
+        if self.last_user is None:
+            _set(self, "last_user", self.first_user)
+        if isinstance(self.last_user, bool) or not isinstance(self.last_user, int) or (
+                self.last_user < self.first_user):
+            raise ProfileError(f"SharedTensor.last_user must be an int >= first_user="
+                               f"{self.first_user}, got {self.last_user!r}")
         if not -1 <= self.born_after < self.first_user:
             raise ProfileError(
                 f"a shared tensor is made before its first user: need -1 <= born_after "
@@ -409,8 +426,8 @@ class Profile:
             if not isinstance(t, SharedTensor):
                 raise ProfileError(
                     f"Profile.shared[{k}] must be a SharedTensor, got {type(t).__name__}")
-            if t.first_user >= len(self.units):
-                raise ProfileError(f"Profile.shared[{k}].first_user={t.first_user} is not a "
+            if t.last_user >= len(self.units):
+                raise ProfileError(f"Profile.shared[{k}].last_user={t.last_user} is not a "
                                    f"unit (the profile has {len(self.units)})")
         if not self.units:
             raise ProfileError("a profile needs at least one unit")

@@ -33,7 +33,9 @@ The rules it encodes:
   to them instead of allocating them); autocast's weight casts
   (``autocast_cache_bytes``) from each unit's forward to the end of the forward.
 * A shared tensor (``profile.shared``) lives from its birth until the backward of
-  its first user (see :meth:`Profile.shared_released_after`), or to the end.
+  its first user (see :meth:`Profile.shared_released_after`), or to the end; its
+  gradient, when it has one, from its last user's backward until the backward of
+  the code that made it.
 * The step time is the measured step time plus every option's ``extra_ms``, once
   per micro-batch.
 
@@ -43,7 +45,7 @@ live bytes, so the peak can be split into what it is made of (``peak_parts``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from remat.errors import PlanMismatchError
@@ -201,12 +203,22 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     shared_born: dict[int, list[int]] = {}  # born after unit k's forward (-1: the prefix's)
     shared_freed: dict[int, list[int]] = {}  # freed after unit k's backward
     shared_to_end = []
+    grad_made: dict[int, int] = {}  # after unit k's backward: shared tensors' gradients
+    grad_used: dict[int, int] = {}  # after unit k's backward (-1: the prefix's): consumed
     for t, released in zip(profile.shared, profile.shared_released_after()):
         shared_born.setdefault(t.born_after, []).append(t.nbytes)
         if released is None:
             shared_to_end.append(t.nbytes)
         else:
             shared_freed.setdefault(released, []).append(t.nbytes)
+        if t.grad_bytes and t.last_user > t.born_after:
+            grad_made[t.last_user] = grad_made.get(t.last_user, 0) + t.grad_bytes
+            grad_used[t.born_after] = grad_used.get(t.born_after, 0) + t.grad_bytes
+
+    def after_backward(k: int) -> None:
+        """What changes once unit k's backward is done, beyond the unit itself."""
+        r.allocate_grad(grad_made.get(k, 0))
+        r.free_grad(grad_used.get(k, 0))
 
     # Boundary keys. On a chain "b{i}" is unit i's input and "b{i+1}" its output;
     # off a chain every unit has its own "in{i}" and "out{i}".
@@ -280,15 +292,17 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
         seg = plan.segment_of(i)
         if seg is None:
             _backward_unit(r, profile, i, cost[i], chain, in_key(i), out_key(i))
+            after_backward(i)
             done = [i]
         else:
-            _backward_segment(r, profile, seg, chain)
+            _backward_segment(r, profile, seg, chain, after_backward)
             done = list(range(seg[1], seg[0] - 1, -1))
         for k in done:
             r.free(sum(shared_freed.get(k, ())))
         i = done[-1] - 1
 
     r.event("backward prefix", profile.prefix.bwd_peak_bytes)
+    after_backward(-1)
     r.free_grad(profile.extra_grad_in_flight_bytes)
     r.free(profile.prefix.held_bytes)
     if chain:
@@ -347,7 +361,10 @@ def _backward_unit(
         r.drop_holder(ik, "outside-in")
 
 
-def _backward_segment(r: _Replay, profile: Profile, seg: tuple[int, int], chain: bool) -> None:
+def _backward_segment(
+    r: _Replay, profile: Profile, seg: tuple[int, int], chain: bool,
+    after_backward: Callable[[int], None],
+) -> None:
     """Recompute units a..b with their keep costs, then run their keep backwards."""
     a, b = seg
     units = profile.units
@@ -382,6 +399,7 @@ def _backward_segment(r: _Replay, profile: Profile, seg: tuple[int, int], chain:
         r.free_grad(_grad_out_bytes(profile, k, chain))
         r.allocate_grad(units[k].input_grad_bytes)
         r.param_grad(units[k].param_grad_bytes)
+        after_backward(k)
     # The segment's real input, held by its first unit, goes with it, and so does
     # what the first unit held since its forward (its checkpoint ``held_bytes``).
     r.free(units[a].options[Option.CHECKPOINT].held_bytes)

@@ -222,7 +222,9 @@ def loop_figures(draw: st.DrawFn, n: int) -> dict:
     for _ in range(draw(st.integers(0, 2))):
         first = draw(st.integers(0, n - 1))
         shared.append(SharedTensor(draw(st.integers(1, 30)), draw(st.integers(-1, first - 1)),
-                                   first, draw(st.booleans())))
+                                   first, draw(st.booleans()),
+                                   last_user=draw(st.integers(first, n - 1)),
+                                   grad_bytes=draw(st.sampled_from([0, draw(_bytes)]))))
     return {
         "loop": Loop(accumulation_steps=draw(st.sampled_from([1, 1, 2])),
                      set_to_none=draw(st.booleans())),
