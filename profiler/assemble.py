@@ -55,6 +55,7 @@ class Measurements:
     optimizer_state_bytes: int = 0
     optimizer_step_peak_bytes: int = 0
     loop: Loop = field(default_factory=Loop)
+    batch_bytes: int = 0
 
 
 def input_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
@@ -201,6 +202,7 @@ def build_profile(
         optimizer_state_bytes=m.optimizer_state_bytes,
         loss_bytes=base.loss_bytes,
         optimizer_step_peak_bytes=m.optimizer_step_peak_bytes,
+        batch_bytes=m.batch_bytes,
         step_ms=m.step.step_ms,
         measured_peak_bytes=m.fixed_bytes + base.peak_bytes,
         device=str(device),

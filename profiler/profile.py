@@ -75,6 +75,7 @@ from remat.profiler.saves import record_saves
 from remat.profiler.state import ModelState, clear_grads, training_session
 from remat.profiler.step import (
     LossFn,
+    batch_bytes,
     fixed_bytes,
     model_device,
     optimizer_figures,
@@ -287,7 +288,7 @@ def _profile(
 
             bar.step("baseline step")
             watch.sync()
-            fixed = fixed_bytes(model, optimizer)
+            fixed = fixed_bytes(model, optimizer) + batch_bytes(sample_batch, device)
             base = instrumented_step(model, sample_batch, loss_fn, ordered,
                                      is_chain=trace.chain.is_chain, device_type=device.type,
                                      optimizer=optimizer, loop=loop)
@@ -321,6 +322,7 @@ def _profile(
         optimizer_state_bytes=opt_state,
         optimizer_step_peak_bytes=opt_peak,
         loop=loop,
+        batch_bytes=batch_bytes(sample_batch, device),
     )
     seconds = time.perf_counter() - started
     result = build_profile(

@@ -37,6 +37,7 @@ __all__ = [
     "compute_loss",
     "fixed_bytes",
     "forward_loss",
+    "batch_bytes",
     "grad_bytes",
     "measure_step",
     "model_device",
@@ -85,6 +86,15 @@ def grad_bytes(model: nn.Module) -> int:
     return tensor_storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
 
 
+def batch_bytes(batch: Any, device: torch.device) -> int:
+    """Bytes of the distinct storages of ``batch``'s tensors on ``device`` (a tensor, or
+    tensors in tuples, lists and dicts): made before the step, alive through it."""
+    from torch.utils._pytree import tree_flatten
+
+    return tensor_storage_bytes(t for t in tree_flatten(batch)[0]
+                                if isinstance(t, torch.Tensor) and t.device.type == device.type)
+
+
 def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Parameters + buffers + optimizer state: the bytes alive for the whole step."""
     return (
@@ -103,8 +113,8 @@ class StepMeasurement:
             dispatch-level meter (live tensor storages).
         held_after_forward_bytes: bytes alive after the last micro-batch's forward
             (loss included), above the bytes alive when the step started.
-        fixed_bytes: parameters + buffers + optimizer state, plus the gradients
-            alive when the step starts (accumulation, ``set_to_none=False``).
+        fixed_bytes: parameters + buffers + optimizer state and the batch, plus the
+            gradients alive when the step starts (accumulation, ``set_to_none=False``).
         allocator_peak_bytes: the same peak as the allocator saw it (it also sees
             kernel scratch buffers and tensors made outside the dispatcher, such as
             checkpoint's RNG state): on CUDA ``torch.cuda.max_memory_allocated``, on
@@ -277,7 +287,8 @@ def measure_step(
         # second step sees (what the first carries into it) was made inside the region:
         # a dispatch meter counts only such storages, and the CPU profiler reports no
         # frees of blocks allocated before it started.
-        fixed = fixed_bytes(model, optimizer) + grad_bytes(model)
+        fixed = (fixed_bytes(model, optimizer) + grad_bytes(model)
+                 + batch_bytes(sample_batch, device))
         with MemoryMeter(device_type=device.type) as meter:
             _cycles(runner, Carry(), 2, state)
             peak = meter.peak_bytes

@@ -81,8 +81,9 @@ class Estimate:
     """What one training step needs, predicted from a profile (:func:`estimate`).
 
     Attributes:
-        parameters, buffers, gradients, optimizer_state: bytes of each (gradients:
-            every parameter's, as the backward pass leaves them).
+        parameters, buffers, gradients, optimizer_state, inputs: bytes of each
+            (gradients: every parameter's, as the backward pass leaves them; inputs:
+            the batch's tensors on the device).
         persistent: their sum: what no plan removes.
         activations: the activation memory: the no-checkpoint peak above
             ``persistent``, what checkpointing trades (``"50%"`` budgets half of it).
@@ -97,6 +98,7 @@ class Estimate:
     buffers: int
     gradients: int
     optimizer_state: int
+    inputs: int
     persistent: int
     activations: int
     no_checkpoint: Peak
@@ -127,6 +129,7 @@ class Estimate:
             ("gradients", self.gradients, "every parameter's, by the end of backward"),
             ("optimizer state", self.optimizer_state,
              "" if self.optimizer_state else "no optimizer given"),
+            ("inputs", self.inputs, "the batch on the device"),
             ("persistent", self.persistent, "what no plan removes"),
             ("activations", self.activations, "no-checkpoint peak above persistent: what "
              "checkpointing trades ('100%')"),
@@ -157,7 +160,8 @@ class Estimate:
             line("gradients", self.gradients),
             line("optimizer state", self.optimizer_state,
                  "" if self.optimizer_state else "(no optimizer given)"),
-            line("activations", self.activations, "(no-checkpoint peak above the four above)"),
+            line("inputs", self.inputs, "(the batch on the device)"),
+            line("activations", self.activations, "(no-checkpoint peak above the five above)"),
             line("no-checkpoint peak", self.no_checkpoint.bytes, self.no_checkpoint.where()),
             line("smallest peak", self.smallest.bytes,
                  f"{self.smallest.where()} (plan: {self.smallest.plan}; step "
@@ -226,6 +230,7 @@ def estimate_profile(profile: Profile, memory_budget: int | str | None = None) -
         buffers=profile.buffer_bytes,
         gradients=profile.grad_bytes,
         optimizer_state=profile.optimizer_state_bytes,
+        inputs=profile.batch_bytes,
         persistent=persistent,
         activations=max(no_ckpt.bytes - persistent, 0),
         no_checkpoint=no_ckpt,

@@ -194,7 +194,7 @@ def parse_budget(
 
 def persistent_bytes(profile: Profile) -> int:
     """What every plan's step of ``profile`` holds by the end of its backward pass:
-    parameters, buffers, optimizer state and every parameter's gradient."""
+    parameters, buffers, optimizer state, the batch and every parameter's gradient."""
     return profile.fixed_bytes + profile.grad_bytes
 
 

@@ -371,6 +371,9 @@ class Profile:
         carried_bytes: what the loop's variables keep from the previous iteration
             while the next forward runs: the last loss's storage, and the last
             output with ``loop.keep_output``.
+        batch_bytes: the sample batch's tensors on the model's device: made before
+            the step, alive through it (the next batch of a prefetching loader is the
+            loader's, not counted).
         grad_in_flight_bytes: partial gradients of parameters used in two phases (an
             embedding tied to the LM head): summed in a buffer from the suffix's
             backward until the prefix's hands the sum to ``.grad``. They are the
@@ -412,6 +415,7 @@ class Profile:
     shared: tuple[SharedTensor, ...] = ()
     last_output_kept: bool = False
     grad_in_flight_bytes: int = 0
+    batch_bytes: int = 0
     coverage: float | None = None
 
     def __post_init__(self) -> None:
@@ -467,8 +471,9 @@ class Profile:
 
     @property
     def fixed_bytes(self) -> int:
-        """Bytes alive for the whole step: parameters, buffers, optimizer state."""
-        return self.param_bytes + self.buffer_bytes + self.optimizer_state_bytes
+        """Bytes alive for the whole step: parameters, buffers, optimizer state, the batch."""
+        return (self.param_bytes + self.buffer_bytes + self.optimizer_state_bytes
+                + self.batch_bytes)
 
     @property
     def grad_bytes(self) -> int:
@@ -667,6 +672,7 @@ _PROFILE_INTS = (
     "output_bytes",
     "carried_bytes",
     "grad_in_flight_bytes",
+    "batch_bytes",
 )
 
 

@@ -55,7 +55,7 @@ from remat.solver.profile import Option, OptionCost, Profile
 __all__ = ["PEAK_PARTS", "Simulation", "check_plan_fits_profile", "simulate"]
 
 # What a peak is made of, in this order (see Simulation.peak_parts).
-PEAK_PARTS = ("parameters", "buffers", "optimizer state", "gradients", "activations")
+PEAK_PARTS = ("parameters", "buffers", "optimizer state", "inputs", "gradients", "activations")
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,9 @@ class Simulation:
             (above the fixed bytes).
         events: ``(event, live bytes at its peak, fixed bytes included)`` in step order.
         peak_parts: what the peak is made of, by :data:`PEAK_PARTS`: ``parameters``,
-            ``buffers``, ``optimizer state``, ``gradients`` (of parameters and of
-            activations, alive at the peak event) and ``activations``: the rest
+            ``buffers``, ``optimizer state``, ``inputs`` (the batch), ``gradients`` (of
+            parameters and of activations, alive at the peak event) and ``activations``:
+            the rest
             (held activations and boundaries, the loss, and the event's own working
             memory). The parts sum to ``peak_bytes``.
     """
@@ -325,6 +326,7 @@ def _peak_parts(profile: Profile, peak: int, grad: int) -> dict[str, int]:
         "parameters": profile.param_bytes,
         "buffers": profile.buffer_bytes,
         "optimizer state": profile.optimizer_state_bytes,
+        "inputs": profile.batch_bytes,
         "gradients": grad,
     }
     parts["activations"] = peak - sum(parts.values())

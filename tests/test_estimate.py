@@ -28,7 +28,8 @@ def test_the_figures_add_up(est: Estimate) -> None:
     assert est.parameters == PROFILE.param_bytes
     assert est.optimizer_state == PROFILE.optimizer_state_bytes > 0
     assert est.gradients == PROFILE.grad_bytes > 0
-    assert est.persistent == est.parameters + est.buffers + est.gradients + est.optimizer_state
+    assert est.persistent == (est.parameters + est.buffers + est.gradients + est.optimizer_state
+                              + est.inputs)
     assert est.no_checkpoint.bytes == simulate(PROFILE, keep).peak_bytes
     assert est.activations == est.no_checkpoint.bytes - est.persistent
     assert est.smallest.bytes == min_peak_bytes(PROFILE) <= est.no_checkpoint.bytes

@@ -82,7 +82,7 @@ def test_optimizer_state_and_step_peak() -> None:
     # Adam: exp_avg and exp_avg_sq per parameter, plus a 4-byte float32 step counter.
     assert p.optimizer_state_bytes == 2 * p.param_bytes + 4 * n_params
     assert p.optimizer_step_peak_bytes > 0
-    assert p.fixed_bytes == p.param_bytes + p.optimizer_state_bytes
+    assert p.fixed_bytes == p.param_bytes + p.optimizer_state_bytes + p.batch_bytes
     assert not optimizer.state  # the fresh optimizer is fresh again
     measured = measure_step(ref.model, ref.batch, loss_fn=ref.loss_fn, optimizer=optimizer,
                             repeats=1, warmup=0)

@@ -25,7 +25,7 @@ def test_parts_of_a_hand_counted_peak() -> None:
     sim = simulate(profile, Plan.keep_all(["u0", "u1"]))
     assert sim.peak_event == "backward u1"
     assert sim.peak_parts == {
-        "parameters": 1000, "buffers": 100, "optimizer state": 2000,
+        "parameters": 1000, "buffers": 100, "optimizer state": 2000, "inputs": 0,
         "gradients": 10, "activations": 270,
     }
     assert sim.peak_bytes == 3380
