@@ -2,7 +2,13 @@
 
 from importlib import import_module
 
-from remat.errors import BudgetError, InfeasibleBudgetError, PlanMismatchError, RematError
+from remat.errors import (
+    BudgetError,
+    InfeasibleBudgetError,
+    PlanMismatchError,
+    RematError,
+    RematWarning,
+)
 from remat.solver.budget import of_activations, of_peak
 from remat.solver.loop import Loop
 from remat.solver.plan import Plan
@@ -18,7 +24,8 @@ _LAZY = {
     "compile_planned": "remat.compiled", "estimate": "remat.preflight",
 }
 __all__ = ["ArgumentError", "BudgetError", "InfeasibleBudgetError", "Loop", "Option", "Plan",
-           "PlanMismatchError", "Profile", "RematError", "of_activations", "of_peak", "simulate",
+           "PlanMismatchError", "Profile", "RematError", "RematWarning", "of_activations",
+           "of_peak", "simulate",
            *_LAZY]
 
 

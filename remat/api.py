@@ -54,6 +54,7 @@ def _as_profile(
     units: Any,
     options: Sequence[str] | None,
     loop: Loop | None = None,
+    granularity: str = "blocks",
 ) -> Profile:
     """``model_or_profile`` itself, or the profile of the model on ``sample_batch``."""
     if isinstance(model_or_profile, Profile):
@@ -68,6 +69,7 @@ def _as_profile(
         units=units,
         options=options,
         loop=loop,
+        granularity=granularity,
     )
 
 
@@ -82,6 +84,7 @@ def solve(
     units: Any = None,
     options: Sequence[str] | None = None,
     loop: Loop | None = None,
+    granularity: str = "blocks",
     verify: bool = True,
     verify_rounds: int = 3,
     compiled: bool = False,
@@ -115,6 +118,9 @@ def solve(
             output through backward, autocast, a gradient scaler,
             ``zero_grad(set_to_none=...)``); default ``remat.Loop()``, a plain loop
             that keeps the output. ``remat.Loop.hf_trainer(args)`` is Hugging Face's.
+        granularity: ``"blocks"`` (default), ``"children"`` or ``"auto"`` (also profile
+            the blocks' children when the blocks are few or one dominates, and keep
+            the level with the better frontier): see :func:`remat.profile`.
         verify: with a model and a budget, apply the plan, measure one real step of
             the loop (the higher of the dispatch-level meter and the allocator's
             view), and when it is over the budget solve again for a budget lowered by
@@ -169,6 +175,7 @@ def solve(
         units=units,
         options=options,
         loop=loop,
+        granularity=granularity,
     )
     if compiled:
         from remat.compiled import solve_compiled
@@ -213,6 +220,7 @@ def pareto(
     units: Any = None,
     options: Sequence[str] | None = None,
     loop: Loop | None = None,
+    granularity: str = "blocks",
 ) -> pd.DataFrame:
     """The optimal memory/time frontier, from the smallest feasible peak to no checkpointing.
 
@@ -235,6 +243,7 @@ def pareto(
         units=units,
         options=options,
         loop=loop,
+        granularity=granularity,
     )
     from remat.solver.pareto import pareto_frontier
 
