@@ -56,6 +56,7 @@ class Measurements:
     optimizer_step_peak_bytes: int = 0
     loop: Loop = field(default_factory=Loop)
     batch_bytes: int = 0
+    inputs_kept_by_caller: list[bool] = field(default_factory=list)
 
 
 def input_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
@@ -166,8 +167,10 @@ def build_profile(
     in_step = _dedupe_shared_boundaries(
         base.units, [m.figures[n][Option.KEEP].holds_input for n, _ in m.units], m.chain.is_chain
     )
+    kept = m.inputs_kept_by_caller or [False] * len(m.units)
     units = [
-        _unit_profile(name, module, in_step[i], m.figures[name], m.timings[name])
+        replace(_unit_profile(name, module, in_step[i], m.figures[name], m.timings[name]),
+                input_kept_by_caller=kept[i])
         for i, (name, module) in enumerate(m.units)
     ]
     fwd_ms = _split(m.step.forward_ms - sum(u.fwd_ms for u in units), {

@@ -60,7 +60,8 @@ from remat.profiler.capture import UnitCall, UnitTrace, trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
 from remat.profiler.instrument import instrumented_step
-from remat.profiler.loop import StepRunner
+from remat.profiler.links import inputs_kept_by_caller
+from remat.profiler.loop import StepRunner, call_model
 from remat.profiler.progress import Progress
 from remat.profiler.replay import (
     OPTION_ERRORS,
@@ -278,6 +279,10 @@ def _profile(
             clear_grads(params)
             state.rng.restore()
             state.restore_buffers()
+            kept_inputs = (inputs_kept_by_caller(ordered, lambda: call_model(model, sample_batch))
+                           if trace.chain.is_chain else [False] * len(ordered))
+            state.rng.restore()
+            state.restore_buffers()
 
             opt_state, opt_peak = 0, 0
             if optimizer is not None:
@@ -323,6 +328,7 @@ def _profile(
         optimizer_step_peak_bytes=opt_peak,
         loop=loop,
         batch_bytes=batch_bytes(sample_batch, device),
+        inputs_kept_by_caller=kept_inputs,
     )
     seconds = time.perf_counter() - started
     result = build_profile(

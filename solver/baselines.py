@@ -67,7 +67,9 @@ class _Candidate:
 # Groups of units to checkpoint -> options and segments
 # ---------------------------------------------------------------------------------
 def _runs_with_checkpoint(profile: Profile, group: range) -> list[range]:
-    """Maximal runs of ``group`` whose units all offer ``checkpoint``."""
+    """Maximal runs of ``group`` whose units all offer ``checkpoint``; a run also ends
+    where no segment may span a link (:meth:`Profile.segment_link`), so that each run
+    can be one segment."""
     runs, start = [], None
     for i in group:
         has = Option.CHECKPOINT in profile.units[i].options
@@ -75,6 +77,11 @@ def _runs_with_checkpoint(profile: Profile, group: range) -> list[range]:
             start = i
         if not has and start is not None:
             runs.append(range(start, i))
+            start = None
+        elif (has and i + 1 < group.stop and profile.is_chain
+              and Option.CHECKPOINT in profile.units[i + 1].options
+              and not profile.segment_link(i)):
+            runs.append(range(start, i + 1))
             start = None
     if start is not None:
         runs.append(range(start, group.stop))

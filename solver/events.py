@@ -355,14 +355,12 @@ def _end_need(profile: Profile, c_fwd: int, c_bwd: int) -> tuple[int, int]:
 
 
 def _segment_runs(profile: Profile) -> IntArray:
-    """Per unit a, the last unit b such that units a..b all offer ``checkpoint``."""
+    """Per unit a, the last unit b such that units a..b may form one segment (every link
+    between them a :meth:`Profile.segment_link`)."""
     n = profile.n
     last = np.arange(n, dtype=np.int64)
-    if not profile.is_chain:
-        return last
-    offers = [Option.CHECKPOINT in u.options for u in profile.units]
     for a in range(n - 2, -1, -1):
-        if offers[a] and offers[a + 1]:
+        if profile.segment_link(a):
             last[a] = last[a + 1]
     return last
 

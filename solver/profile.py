@@ -169,6 +169,10 @@ class UnitProfile:
         input_held_outside / output_held_outside: code outside the units (the
             prefix, the suffix, or code between units off a chain) holds that
             storage until its own backward.
+        input_kept_by_caller: the model's own code keeps this unit's input referenced
+            past the unit's forward (``x = self.stem(x); x = self.blocks(x)`` keeps the
+            stem's output while the blocks run), so a segment spanning the link from
+            the previous unit into this one would free nothing: none may.
         autocast_cache_bytes: under ``torch.autocast``, the weight casts its forward
             leaves in autocast's cache, alive until the loop's autocast region ends
             (the end of the forward pass). Counted for every option: under ``keep``
@@ -193,6 +197,7 @@ class UnitProfile:
     input_held_outside: bool = False
     output_held_outside: bool = False
     autocast_cache_bytes: int = 0
+    input_kept_by_caller: bool = False
     param_signature: str | None = None
 
     def __post_init__(self) -> None:
@@ -509,13 +514,20 @@ class Profile:
         loop accumulates micro-batches, or zeroes gradients without freeing them)."""
         return self.loop.grads_alive_at_start
 
+    def segment_link(self, i: int) -> bool:
+        """Whether units ``i`` and ``i + 1`` may be in one multi-unit segment: they are
+        links of a chain, both offer ``checkpoint``, and the model's code does not keep
+        the boundary between them (``UnitProfile.input_kept_by_caller``)."""
+        if not self.is_chain or not 0 <= i < self.n - 1:
+            return False
+        a, b = self.units[i], self.units[i + 1]
+        return (Option.CHECKPOINT in a.options and Option.CHECKPOINT in b.options
+                and not b.input_kept_by_caller)
+
     def checkpoint_run_start(self, i: int) -> int:
         """The first unit of the run of consecutive units that a multi-unit segment
         containing unit ``i`` could start at (``i`` itself off a chain)."""
-        if not self.is_chain:
-            return i
-        while (i > 0 and Option.CHECKPOINT in self.units[i].options
-               and Option.CHECKPOINT in self.units[i - 1].options):
+        while i > 0 and self.segment_link(i - 1):
             i -= 1
         return i
 
@@ -661,7 +673,7 @@ _OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 _OPTION_BOOLS = ("holds_input", "holds_output")
 _UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes",
               "autocast_cache_bytes")
-_UNIT_BOOLS = ("input_held_outside", "output_held_outside")
+_UNIT_BOOLS = ("input_held_outside", "output_held_outside", "input_kept_by_caller")
 _OUTSIDE_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "param_grad_bytes")
 _PROFILE_INTS = (
     "param_bytes",

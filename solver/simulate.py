@@ -108,6 +108,15 @@ def check_plan_fits_profile(profile: Profile, plan: Plan) -> None:
             "multi-unit segments need a chain of units, and this profile's units are not one "
             "(code runs between them); use per-unit options instead"
         )
+    for a, b in plan.segments:
+        broken = [k for k in range(a, b) if not profile.segment_link(k)]
+        if broken:
+            k = broken[0]
+            raise PlanMismatchError(
+                f"segment ({a}, {b}) spans the link from unit {profile.units[k].name!r} to "
+                f"{profile.units[k + 1].name!r}, which no segment may (the model's code keeps "
+                "that boundary, or a unit offers no 'checkpoint'); split the segment there"
+            )
 
 
 class _Replay:

@@ -26,15 +26,26 @@ SIZES = {
 }
 
 
-def plans(names: list[str]) -> dict[str, Plan]:
+def plans(profile: remat.Profile) -> dict[str, Plan]:
+    """Every option, and segments along the chain's links that may be segmented (the
+    model's code may keep a boundary, as the CNN keeps its stem's output)."""
+    names = [u.name for u in profile.units]
     n = len(names)
     mixed = ["checkpoint", "checkpoint", "selective", "keep"] * n
+    runs, start = [], 0
+    for k in range(n):
+        if k == n - 1 or not profile.segment_link(k):
+            if k > start:
+                runs.append((start, k))
+            start = k + 1
+    first = runs[0][0]
+    mixed[first:first + 2] = ["checkpoint", "checkpoint"]
     return {
         "keep": Plan.keep_all(names),
         "checkpoint": Plan.checkpoint_all(names),
         "selective": Plan(names, ["selective"] * n),
-        "whole-chain segment": Plan(names, ["checkpoint"] * n, [(0, n - 1)]),
-        "segment + options": Plan(names, mixed[:n], [(0, 1)]),
+        "whole-chain segment": Plan(names, ["checkpoint"] * n, runs),
+        "segment + options": Plan(names, mixed[:n], [(first, first + 1)]),
     }
 
 
@@ -51,7 +62,7 @@ def profiled(request):
 )
 def test_measured_memory_matches_simulate(profiled, plan_name):
     ref, profile = profiled
-    plan = plans([u.name for u in profile.units])[plan_name]
+    plan = plans(profile)[plan_name]
     predicted = remat.simulate(profile, plan)
     remat.apply_plan(ref.model, plan)
     try:

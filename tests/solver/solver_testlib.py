@@ -85,7 +85,7 @@ def all_plans(profile: Profile) -> Iterator[Plan]:
         if not profile.is_chain:
             return
         j = i
-        while j + 1 < n and all(CKPT in profile.units[k].options for k in (i, j + 1)):
+        while j + 1 < n and profile.segment_link(j):
             j += 1
             yield from rec(j + 1, [*opts, *[CKPT] * (j - i + 1)], [*segs, (i, j)])
 
@@ -185,6 +185,7 @@ def profiles(
                 input_held_outside=draw(st.booleans()),
                 output_held_outside=draw(st.booleans()),
                 autocast_cache_bytes=draw(st.sampled_from([0, 0, draw(_bytes)])),
+                input_kept_by_caller=draw(st.sampled_from([False, False, True])),
             )
         )
     outside = st.builds(
@@ -245,7 +246,7 @@ def count_plans(profile: Profile) -> int:
         ways[i] = len(profile.units[i].options) * ways[i + 1]
         if profile.is_chain:
             j = i
-            while j + 1 < n and all(CKPT in profile.units[k].options for k in (i, j + 1)):
+            while j + 1 < n and profile.segment_link(j):
                 j += 1
                 ways[i] += ways[j + 1]
     return ways[0]
