@@ -9,8 +9,8 @@ checkpointing, remat optimal (at each budget) and remat chen, the peers that app
 (``solve(..., compiled=True)``) compiled at its budget. Every method runs on its
 own deep copy of one pristine model, with the same batch.
 
-Eager methods: the dispatch-level peak is :func:`remat.measure`'s, the allocator
-peak :func:`remat.allocator.allocator_peak`'s (persistent bytes added), and the
+Eager methods: both peaks are :func:`remat.measure`'s (the dispatch-level meter's
+and the allocator's, on the same loop), and the
 step times (wall and process CPU) are taken round-robin across the methods.
 Compiled ones are measured by :func:`remat.compiled.measure_compiled`.
 ``peers.py`` runs this and then the reporter; see it for the command line. It
@@ -54,13 +54,12 @@ from peers_variants import Variant, peer_variants, remat_variant
 from torch import nn
 
 import remat
-from remat.allocator import allocator_peak
 from remat.api import activation_budget
 from remat.compiled import DEFAULT_PARTITIONER_BUDGETS, solve_compiled
 from remat.errors import InfeasibleBudgetError
 from remat.models import ReferenceModel, build
 from remat.profiler.state import clear_grads
-from remat.profiler.step import fixed_bytes, forward_loss, model_device
+from remat.profiler.step import forward_loss, model_device
 from remat.profiler.timing import Stopwatch
 from remat.solver.solve import no_checkpoint_peak_bytes
 
@@ -117,12 +116,6 @@ def timed_step(model: nn.Module, step: Callable[[], None]) -> tuple[float, float
     return (time.perf_counter() - start) * 1e3, (time.process_time() - cpu_start) * 1e3
 
 
-def allocator_step_peak(model: nn.Module, step: Callable[[], None]) -> int:
-    """Peak of one step on the allocator view, parameters and buffers included."""
-    clear_grads(list(model.parameters()))
-    return fixed_bytes(model, None) + allocator_peak(step, device_type=model_device(model).type)
-
-
 def record_times(row: Row, times: Sequence[tuple[float, float]]) -> None:
     """Store the timed steps of a row and their medians."""
     row.step_ms_all = [wall for wall, _ in times]
@@ -137,9 +130,11 @@ def measure_memory(v: Variant, ref: ReferenceModel, step: Callable[[], None], ro
     """Warm a variant up, then read its peak on both instruments into ``row``."""
     for _ in range(warmup):
         timed_step(v.model, step)
-    row.peak_dispatch_bytes = remat.measure(v.model, ref.batch, loss_fn=ref.loss_fn, warmup=0,
-                                            repeats=1).peak_bytes
-    row.peak_allocator_bytes = allocator_step_peak(v.model, step)
+    # Both instruments on the same loop (remat.Loop(): the plain loop that keeps its
+    # output), two steps each, so the second sees what the first carries into it.
+    measured = remat.measure(v.model, ref.batch, loss_fn=ref.loss_fn, warmup=0, repeats=1)
+    row.peak_dispatch_bytes = measured.peak_bytes
+    row.peak_allocator_bytes = measured.allocator_peak_bytes
     print(f"  {v.method} {v.setting}: dispatch {mib_cell(row.peak_dispatch_bytes)} MiB, "
           f"allocator {mib_cell(row.peak_allocator_bytes)} MiB", flush=True)
 
