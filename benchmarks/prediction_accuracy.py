@@ -20,7 +20,7 @@ import datetime as dt
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see peers_run.py
@@ -48,6 +48,7 @@ class Case:
     loss_fn: Callable | None
     loop: remat.Loop
     adamw: bool = False
+    profile_options: dict = field(default_factory=dict)  # units=, granularity=, ...
 
 
 def _reference(name: str, loop: remat.Loop, adamw: bool = False, size: str = "small",
@@ -106,12 +107,14 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
-def rows_for(name: str, repeats: int) -> list[dict[str, str]]:
-    """Profile case ``name`` once; solve, apply and measure it at each budget."""
-    case = CASES[name]()
+def rows_for(name: str, repeats: int, make: Callable[[], Case] | None = None
+             ) -> list[dict[str, str]]:
+    """Profile case ``name`` (built by ``make``, by default ``CASES[name]``) once; solve,
+    apply and measure it at each budget."""
+    case = (make or CASES[name])()
     optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-4) if case.adamw else None
     profile = remat.profile(case.model, case.batch, loss_fn=case.loss_fn, loop=case.loop,
-                            optimizer=optimizer)
+                            optimizer=optimizer, **case.profile_options)
     lo, hi = min_peak_bytes(profile), no_checkpoint_peak_bytes(profile)
     rows = []
     for fraction in FRACTIONS:
@@ -162,6 +165,35 @@ def _verify(case: Case, optimizer, profile: remat.Profile, plan: remat.Plan, bud
     return f"{checked.verify_rounds} round(s), {mib(checked.measured_peak_bytes, 2)}", outcome
 
 
+def report(rows: list[dict[str, str]], *, title: str, command: str, threads: int,
+           seconds: float, out: Path) -> None:
+    """Write the table of ``rows`` with its summary line to ``out`` (and print it)."""
+    errors = [float(r["err % (alloc)"]) for r in rows]
+    time_errors = [abs(float(r["pred ms"]) / float(r["meas ms"]) - 1) * 100 for r in rows]
+    raw_over = sum(r["fits"] != "yes" for r in rows)
+    over_after = sum(r["_outcome"] == "over" for r in rows)
+    refused = sum(r["_outcome"] == "infeasible" for r in rows)
+    header = (
+        f"# {title}\n\n"
+        f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; machine: "
+        f"{machine_line(threads)}\n"
+        f"- command: `{command}` ({seconds:.0f} s)\n"
+        "- peak: one optimizer step of the loop, everything included (parameters, "
+        "gradients, optimizer state, activations, what the loop keeps); `disp`: the "
+        "dispatch-level meter, `alloc`: the allocator's view (`torch.profiler` memory events), "
+        "which the prediction is compared with; `fits`: the higher of the two is within the "
+        "budget without verification; `verified`: what `remat.solve`'s closed loop returns "
+        "(rounds measured, measured peak), or the smallest feasible budget it reports\n"
+        f"- **{len(rows)} plans: predicted peak from {min(errors):+.2f}% to {max(errors):+.2f}% "
+        "of the allocator's view; "
+        f"{raw_over} above the budget before verification, {over_after} after it (which "
+        f"reported {refused} budget(s) infeasible instead); worst step-time error "
+        f"{max(time_errors):.1f}%**\n"
+    )
+    table = markdown_table(COLUMNS, [[r.get(c, "") for c in COLUMNS] for r in rows])
+    write_result(out, "\n".join([header, *table]) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -172,30 +204,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     rows = [row for name in args.cases for row in rows_for(name, args.repeats)]
-    errors = [abs(float(r["err % (alloc)"])) for r in rows]
-    time_errors = [abs(float(r["pred ms"]) / float(r["meas ms"]) - 1) * 100 for r in rows]
-    raw_over = sum(r["fits"] != "yes" for r in rows)
-    over_after = sum(r["_outcome"] == "over" for r in rows)
-    refused = sum(r["_outcome"] == "infeasible" for r in rows)
-    header = (
-        "# Prediction accuracy in real training loops\n\n"
-        f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; machine: "
-        f"{machine_line(args.threads)}\n"
-        f"- command: `.venv/bin/python benchmarks/prediction_accuracy.py` "
-        f"({time.perf_counter() - start:.0f} s)\n"
-        "- peak: one optimizer step of the loop, everything included (parameters, "
-        "gradients, optimizer state, activations, what the loop keeps); `disp`: the "
-        "dispatch-level meter, `alloc`: the allocator's view (`torch.profiler` memory events), "
-        "which the prediction is compared with; `fits`: the higher of the two is within the "
-        "budget without verification; `verified`: what `remat.solve`'s closed loop returns "
-        "(rounds measured, measured peak), or the smallest feasible budget it reports\n"
-        f"- **{len(rows)} plans: worst peak error {max(errors):.2f}% of the allocator's view; "
-        f"{raw_over} above the budget before verification, {over_after} after it (which "
-        f"reported {refused} budget(s) infeasible instead); worst step-time error "
-        f"{max(time_errors):.1f}%**\n"
-    )
-    table = markdown_table(COLUMNS, [[r.get(c, "") for c in COLUMNS] for r in rows])
-    write_result(args.out, "\n".join([header, *table]) + "\n")
+    report(rows, title="Prediction accuracy in real training loops",
+           command=".venv/bin/python benchmarks/prediction_accuracy.py",
+           threads=args.threads, seconds=time.perf_counter() - start, out=args.out)
 
 
 if __name__ == "__main__":

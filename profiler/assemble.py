@@ -219,7 +219,8 @@ def build_profile(
                        + (units[-1].output_bytes if base.last_output_kept else 0)),
         shared=tuple(
             SharedTensor(t.nbytes, min(t.born_after, t.users[0] - 1), t.users[0], t.held_to_end,
-                         last_user=t.users[-1], grad_bytes=t.grad_bytes)
+                         last_user=t.users[-1], grad_bytes=t.grad_bytes,
+                         maker_output=t.maker_output and t.born_after < t.users[0])
             for t in base.shared
         ),
         meta={

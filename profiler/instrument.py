@@ -118,6 +118,7 @@ class SharedInStep:
         held_to_end: code outside the units (the prefix, code between units) saved it
             for backward, or it outlived the step.
         grad_bytes: the bytes of its gradient, when it requires one (0 otherwise).
+        maker_output: it is unit ``born_after``'s boundary output.
     """
 
     nbytes: int
@@ -125,6 +126,7 @@ class SharedInStep:
     users: tuple[int, ...]
     held_to_end: bool
     grad_bytes: int = 0
+    maker_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -417,8 +419,10 @@ def _shared(w: _StepWatch) -> dict[int, SharedInStep]:
         started = [u.index for u in units if u.fwd_start is not None
                    and u.fwd_start.tick < record.born]
         outlives = record.died is None or record.died > w.backward_end.tick
-        shared[rec] = SharedInStep(record.nbytes, max(started, default=-1), tuple(sorted(users)),
-                                   rec in outside_savers or outlives, w.side_grad.get(rec, 0))
+        maker = max(started, default=-1)
+        shared[rec] = SharedInStep(record.nbytes, maker, tuple(sorted(users)),
+                                   rec in outside_savers or outlives, w.side_grad.get(rec, 0),
+                                   maker >= 0 and units[maker].output_record == rec)
     return shared
 
 
@@ -502,7 +506,10 @@ def _figures(
             input_bytes=u.input_bytes,
             output_bytes=u.output_bytes,
             input_held_outside=w.held_outside(u.input_record, neighbours(i, -1)),
-            output_held_outside=w.held_outside(u.output_record, neighbours(i, +1)),
+            # A shared output's holders (later units, outside code) are the shared
+            # tensor's: counted there once.
+            output_held_outside=(u.output_record not in shared
+                                 and w.held_outside(u.output_record, neighbours(i, +1))),
             input_is_prev_output=(i > 0 and u.input_record is not None
                                   and u.input_record == units[i - 1].output_record),
             param_grad_bytes=unit_param_grad[i],

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import (
 )
 
 from remat.errors import RematError
+from remat.runtime.arguments import CallArguments
 from remat.runtime.kv_cache import drop_kv_cache
 from remat.solver.profile import Option
 
@@ -273,6 +274,26 @@ def option_is_active(module: nn.Module, option: str) -> bool:
     return option != Option.KEEP.value and torch.is_grad_enabled() and module.training
 
 
+class _Recomputable:
+    """A unit's forward for torch's checkpoint. Its first call (the forward pass) gets
+    the caller's own argument objects, so whatever the unit does to them is seen; each
+    recomputation gets the arguments as they were at that call (:mod:`.arguments`).
+    Compiled code traces the forward once and recomputes in its graph: not used there."""
+
+    def __init__(self, forward: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self.forward, self.kwargs = forward, kwargs
+        self.arguments = CallArguments(args, kwargs)
+        self.called = False
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.called:
+            self.called = True
+            return self.forward(*args, **self.kwargs)
+        args, kwargs = self.arguments.rebuild()
+        return self.forward(*args, **kwargs)
+
+
 def forward_with_option(
     module: nn.Module,
     option: str,
@@ -293,8 +314,9 @@ def forward_with_option(
         args, kwargs = drop_kv_cache(module, args, kwargs)
         context_fn = checkpoint_context_fn([module], option)
         extra = {} if context_fn is None else {"context_fn": context_fn}
-        # kwargs go through a partial so they can never collide with checkpoint's own.
-        fn = functools.partial(forward, **kwargs) if kwargs else forward
+        # kwargs go through the callable so they can never collide with checkpoint's own.
+        fn = (functools.partial(forward, **kwargs) if torch.compiler.is_compiling()
+              else _Recomputable(forward, args, kwargs))
         with autocast_without_cache():
             return checkpoint(fn, *args, use_reentrant=False, **extra)
     if option == Option.OFFLOAD.value:

@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils import checkpoint as _ckpt
 
 from remat.errors import RematError
+from remat.runtime.arguments import CallArguments
 from remat.runtime.boundary import Slot, boundary_input, boundary_output
 from remat.runtime.kv_cache import drop_kv_cache
 from remat.runtime.options import autocast_without_cache, checkpoint_context_fn
@@ -89,12 +90,20 @@ class _UnitCall:
     # call found it (the usual case: each state is ~5 KB held until backward), and
     # for the segment's first call (the generator restores that one).
     rng: RngStates | None = None
+    # The containers among args/kwargs as they were at the call (see .arguments):
+    # taken once, kept by dataclasses.replace.
+    arguments: CallArguments | None = None
+
+    def __post_init__(self) -> None:
+        if self.arguments is None:
+            self.arguments = CallArguments(self.args, self.kwargs)
 
     def call(self, x: torch.Tensor) -> Any:
+        args, kwargs = self.arguments.rebuild()
         if isinstance(self.slot, int):
-            args = self.args[: self.slot] + (x,) + self.args[self.slot + 1 :]
-            return self.forward(*args, **self.kwargs)
-        return self.forward(*self.args, **{**self.kwargs, self.slot: x})
+            args = args[: self.slot] + (x,) + args[self.slot + 1 :]
+            return self.forward(*args, **kwargs)
+        return self.forward(*args, **{**kwargs, self.slot: x})
 
 
 class _Replay:

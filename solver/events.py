@@ -216,7 +216,10 @@ def _shared_grads_in_backward(profile: Profile) -> tuple[int, ...]:
     for t in profile.shared:
         if not t.grad_bytes or t.last_user <= t.born_after:
             continue
-        for i in range(max(t.born_after, 0), t.last_user):
+        # Off a chain, a shared output's gradient at its maker's backward is the
+        # maker's output gradient, counted there (on a chain they may be two buffers).
+        merged = t.maker_output and not profile.is_chain
+        for i in range(max(t.born_after + merged, 0), t.last_user):
             alive[i] += t.grad_bytes
         if t.born_after < 0:
             alive[n] += t.grad_bytes

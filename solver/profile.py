@@ -310,6 +310,10 @@ class SharedTensor:
         held_to_end: code outside the units holds it to the end of the backward pass.
         last_user: the last unit it is handed to (``None``: ``first_user``).
         grad_bytes: the bytes of its gradient (0 when it needs none).
+        maker_output: it is unit ``born_after``'s own output (an encoder's last block
+            feeding every decoder block): that unit's output figures are this storage,
+            so its gradient at that unit's backward is the unit's output gradient,
+            counted there and not again here.
     """
 
     nbytes: int
@@ -318,6 +322,7 @@ class SharedTensor:
     held_to_end: bool = False
     last_user: int | None = None
     grad_bytes: int = 0
+    maker_output: bool = False
 
     def __post_init__(self) -> None:
         _set(self, "nbytes", checked_bytes(self.nbytes, "SharedTensor.nbytes", ProfileError))
@@ -329,6 +334,11 @@ class SharedTensor:
                                                ProfileError))
         _set(self, "grad_bytes", checked_bytes(self.grad_bytes, "SharedTensor.grad_bytes",
                                                ProfileError))
+        _set(self, "maker_output", checked_bool(self.maker_output,
+                                                "SharedTensor.maker_output", ProfileError))
+        if self.maker_output and self.born_after < 0:
+            raise ProfileError("SharedTensor.maker_output needs the unit that made it: "
+                               f"born_after must be >= 0, got {self.born_after}")
         if self.last_user is None:
             _set(self, "last_user", self.first_user)
         if isinstance(self.last_user, bool) or not isinstance(self.last_user, int) or (

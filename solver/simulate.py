@@ -35,7 +35,8 @@ The rules it encodes:
 * A shared tensor (``profile.shared``) lives from its birth until the backward of
   its first user (see :meth:`Profile.shared_released_after`), or to the end; its
   gradient, when it has one, from its last user's backward until the backward of
-  the code that made it.
+  the code that made it (off a chain, when it is its maker's output, until that
+  unit's backward starts: from then on it is the unit's output gradient).
 * The step time is the measured step time plus every option's ``extra_ms``, once
   per micro-batch.
 
@@ -215,6 +216,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     shared_to_end = []
     grad_made: dict[int, int] = {}  # after unit k's backward: shared tensors' gradients
     grad_used: dict[int, int] = {}  # after unit k's backward (-1: the prefix's): consumed
+    grad_merged: dict[int, int] = {}  # off a chain, unit k's output: its gradient as k's
     for t, released in zip(profile.shared, profile.shared_released_after()):
         shared_born.setdefault(t.born_after, []).append(t.nbytes)
         if released is None:
@@ -223,7 +225,10 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
             shared_freed.setdefault(released, []).append(t.nbytes)
         if t.grad_bytes and t.last_user > t.born_after:
             grad_made[t.last_user] = grad_made.get(t.last_user, 0) + t.grad_bytes
-            grad_used[t.born_after] = grad_used.get(t.born_after, 0) + t.grad_bytes
+            # A shared output's gradient is its maker's output gradient, which off a
+            # chain _backward_unit counts from its backward on.
+            used = grad_merged if t.maker_output and not chain else grad_used
+            used[t.born_after] = used.get(t.born_after, 0) + t.grad_bytes
 
     def after_backward(k: int) -> None:
         """What changes once unit k's backward is done, beyond the unit itself."""
@@ -301,6 +306,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     while i >= 0:
         seg = plan.segment_of(i)
         if seg is None:
+            r.free_grad(grad_merged.get(i, 0))
             _backward_unit(r, profile, i, cost[i], chain, in_key(i), out_key(i))
             after_backward(i)
             done = [i]

@@ -90,14 +90,16 @@ class RelativeBias(nn.Module):
 
 class EncoderDecoder(nn.Module):
     """T5-style: the encoder's blocks share one position bias, the decoder's another, and
-    every decoder block takes the encoder's output."""
+    every decoder block takes the encoder's output. Without ``enc_norm`` (BART-style)
+    that output is the last encoder block's own."""
 
-    def __init__(self, vocab: int = 256, d: int = 64, heads: int = 4, depth: int = 3) -> None:
+    def __init__(self, vocab: int = 256, d: int = 64, heads: int = 4, depth: int = 3,
+                 enc_norm: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.enc_bias, self.dec_bias = RelativeBias(heads), RelativeBias(heads, causal=True)
         self.encoder = nn.ModuleList(EncoderBlock(d, heads) for _ in range(depth))
-        self.enc_norm = nn.LayerNorm(d)
+        self.enc_norm = nn.LayerNorm(d) if enc_norm else nn.Identity()
         self.decoder = nn.ModuleList(DecoderBlock(d, heads) for _ in range(depth))
         self.dec_norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
@@ -113,9 +115,10 @@ class EncoderDecoder(nn.Module):
         return self.head(self.dec_norm(y))
 
 
-def encoder_decoder(batch: int = 8, src: int = 64, tgt: int = 48) -> Case:
+def encoder_decoder(batch: int = 8, src: int = 64, tgt: int = 48, enc_norm: bool = True
+                    ) -> Case:
     torch.manual_seed(0)
-    model = EncoderDecoder()
+    model = EncoderDecoder(enc_norm=enc_norm)
     inputs = {"src": torch.randint(0, 256, (batch, src)),
               "tgt": torch.randint(0, 256, (batch, tgt))}
     labels = torch.randint(0, 256, (batch, tgt))

@@ -167,6 +167,52 @@ def test_chained_tensor_passed_by_keyword(segments: tuple[tuple[int, int], ...])
     torch.testing.assert_close(scale.grad, ref_scale.grad, rtol=0, atol=0)
 
 
+class _DenseLayer(nn.Module):
+    """torchvision's DenseNet layer: takes the list of every earlier feature map; it
+    also records its output in a list its caller passes (a collector)."""
+
+    def __init__(self, channels: int, growth: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(channels)
+        self.conv = nn.Conv2d(channels, growth, 3, padding=1)
+
+    def forward(self, features: list[torch.Tensor], seen: dict[str, list]) -> torch.Tensor:
+        out = self.conv(torch.relu(self.norm(torch.cat(features, 1))))
+        seen["calls"].append(out.shape[1])
+        return out
+
+
+class _DenseBlock(nn.Module):
+    def __init__(self, layers: int = 4, channels: int = 4, growth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_DenseLayer(channels + i * growth, growth)
+                                    for i in range(layers))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        features, seen = [x], {"calls": []}
+        for layer in self.layers:
+            features.append(layer(features, seen))  # the list grows after each call
+        return torch.cat(features, 1), len(seen["calls"])
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_containers_the_caller_changes_after_the_call(option: str) -> None:
+    """Recomputation sees each list as it was at the call (it grew since); what the unit
+    does to its caller's containers in the forward is seen by the caller."""
+    torch.manual_seed(0)
+    model = _DenseBlock().train()
+    reference = h.twin(model)
+    names = [f"layers.{i}" for i in range(4)]
+    apply_plan(model, h.make_plan(model, names, dict.fromkeys(names, option)))
+    x = torch.randn(2, 4, 8, 8)
+    (out, calls), (ref_out, ref_calls) = model(x), reference(x)
+    assert calls == ref_calls == 4
+    out.square().mean().backward()
+    ref_out.square().mean().backward()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    h.assert_bitwise_same(model, reference)
+
+
 def test_random_numbers_drawn_between_segment_units() -> None:
     """LayerDrop-style draws between units must not shift dropout masks in replay."""
     model = h.LoopModel(glue="rand")

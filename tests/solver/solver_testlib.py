@@ -222,10 +222,12 @@ def loop_figures(draw: st.DrawFn, n: int) -> dict:
     shared = []
     for _ in range(draw(st.integers(0, 2))):
         first = draw(st.integers(0, n - 1))
-        shared.append(SharedTensor(draw(st.integers(1, 30)), draw(st.integers(-1, first - 1)),
+        born_after = draw(st.integers(-1, first - 1))
+        shared.append(SharedTensor(draw(st.integers(1, 30)), born_after,
                                    first, draw(st.booleans()),
                                    last_user=draw(st.integers(first, n - 1)),
-                                   grad_bytes=draw(st.sampled_from([0, draw(_bytes)]))))
+                                   grad_bytes=draw(st.sampled_from([0, draw(_bytes)])),
+                                   maker_output=born_after >= 0 and draw(st.booleans())))
     return {
         "loop": Loop(accumulation_steps=draw(st.sampled_from([1, 1, 2])),
                      set_to_none=draw(st.booleans())),

@@ -1,0 +1,187 @@
+"""The budget promise on models no test or preset of remat was written or tuned for.
+
+Same procedure and table as ``prediction_accuracy.py`` (profile once; at five
+budgets from the smallest feasible peak to no checkpointing solve, apply, measure
+one optimizer step of the loop with both instruments, then run ``remat.solve``'s
+verification), on models that appear nowhere else in the repository:
+
+- ``qwen2-trainer``: ``transformers`` Qwen2 (grouped-query attention, RoPE, SwiGLU)
+  in a Trainer-style loop: 2 micro-batches, bf16 autocast, AdamW, output dropped;
+- ``bart``: ``transformers`` BART, an encoder-decoder whose decoder blocks all take
+  the encoder's output, in a plain loop that keeps the output;
+- ``hf-vit-adamw``: ``transformers`` ViT image classifier, with AdamW;
+- ``densenet``: a DenseNet written to torchvision's layout (``features`` with dense
+  blocks whose layers each take the concatenation of every earlier layer's output,
+  transitions between them; BatchNorm), cross entropy; ``densenet-auto``: the same
+  with ``granularity="auto"``, which plans the dense layers and the transitions'
+  modules instead of the seven blocks.
+
+Prints a markdown table and writes it to benchmarks/results/unseen_models.md.
+
+    .venv/bin/python benchmarks/unseen_models.py [--cases bart densenet] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see peers_run.py
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _common import RESULTS  # noqa: E402
+from prediction_accuracy import Case, report, rows_for  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+import remat  # noqa: E402
+
+
+def _qwen2_trainer() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=4096, max_position_embeddings=256, use_cache=False)
+    model = transformers.Qwen2ForCausalLM(config).train()
+    ids = torch.randint(0, 4096, (8, 128))
+    loop = remat.Loop(keep_output=False, accumulation_steps=2, autocast="bfloat16")
+    return Case(model, {"input_ids": ids, "labels": ids}, None, loop, adamw=True)
+
+
+def _bart() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        d_model=256, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024,
+        vocab_size=4096, max_position_embeddings=256, use_cache=False)
+    model = transformers.BartForConditionalGeneration(config).train()
+    src = torch.randint(4, 4096, (8, 128))
+    labels = torch.randint(4, 4096, (8, 64))
+    return Case(model, {"input_ids": src, "labels": labels}, None, remat.Loop())
+
+
+def _hf_vit() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        hidden_size=256, num_hidden_layers=6, num_attention_heads=4, intermediate_size=1024,
+        image_size=64, patch_size=8, num_labels=10)
+    model = transformers.ViTForImageClassification(config).train()
+    pixels = torch.randn(16, 3, 64, 64)
+    labels = torch.randint(0, 10, (16,))
+    return Case(model, {"pixel_values": pixels, "labels": labels}, None, remat.Loop(),
+                adamw=True)
+
+
+class _DenseLayer(nn.Module):
+    """torchvision's layout: BN-ReLU-1x1 conv to ``bn_size * growth``, BN-ReLU-3x3 conv."""
+
+    def __init__(self, channels: int, growth: int, bn_size: int = 4) -> None:
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(channels)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(channels, bn_size * growth, 1, bias=False)
+        self.norm2 = nn.BatchNorm2d(bn_size * growth)
+        self.relu2 = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(bn_size * growth, growth, 3, padding=1, bias=False)
+
+    def forward(self, features: list[Tensor]) -> Tensor:
+        x = torch.cat(features, 1)
+        x = self.conv1(self.relu1(self.norm1(x)))
+        return self.conv2(self.relu2(self.norm2(x)))
+
+
+class _DenseBlock(nn.ModuleDict):
+    """Each layer takes every earlier output: the block is not a chain of its layers."""
+
+    def __init__(self, layers: int, channels: int, growth: int) -> None:
+        super().__init__()
+        for i in range(layers):
+            self[f"denselayer{i + 1}"] = _DenseLayer(channels + i * growth, growth)
+
+    def forward(self, x: Tensor) -> Tensor:
+        features = [x]
+        for layer in self.values():
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+class _Transition(nn.Sequential):
+    def __init__(self, channels: int, out: int) -> None:
+        super().__init__(OrderedDict(
+            norm=nn.BatchNorm2d(channels), relu=nn.ReLU(inplace=True),
+            conv=nn.Conv2d(channels, out, 1, bias=False), pool=nn.AvgPool2d(2, 2)))
+
+
+class DenseNet(nn.Module):
+    def __init__(self, growth: int = 16, blocks: tuple[int, ...] = (4, 6, 8, 4),
+                 init_channels: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        layers: OrderedDict[str, nn.Module] = OrderedDict(
+            conv0=nn.Conv2d(3, init_channels, 3, padding=1, bias=False),
+            norm0=nn.BatchNorm2d(init_channels), relu0=nn.ReLU(inplace=True))
+        channels = init_channels
+        for i, count in enumerate(blocks):
+            layers[f"denseblock{i + 1}"] = _DenseBlock(count, channels, growth)
+            channels += count * growth
+            if i != len(blocks) - 1:
+                layers[f"transition{i + 1}"] = _Transition(channels, channels // 2)
+                channels //= 2
+        layers["norm5"] = nn.BatchNorm2d(channels)
+        self.features = nn.Sequential(layers)
+        self.classifier = nn.Linear(channels, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.features(x), inplace=True)
+        return self.classifier(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _densenet() -> Case:
+    torch.manual_seed(0)
+    images = torch.randn(16, 3, 64, 64)
+    labels = torch.randint(0, 10, (16,))
+    return Case(DenseNet().train(), images, lambda out, _batch: F.cross_entropy(out, labels),
+                remat.Loop())
+
+
+def _densenet_children() -> Case:
+    case = _densenet()
+    case.profile_options["granularity"] = "auto"  # 7 blocks: their children compete
+    return case
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "qwen2-trainer": _qwen2_trainer,
+    "bart": _bart,
+    "hf-vit-adamw": _hf_vit,
+    "densenet": _densenet,
+    "densenet-auto": _densenet_children,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "unseen_models.md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    rows = [row for name in args.cases for row in rows_for(name, args.repeats, CASES[name])]
+    report(rows, title="The budget on models remat was not written for",
+           command=".venv/bin/python benchmarks/unseen_models.py",
+           threads=args.threads, seconds=time.perf_counter() - start, out=args.out)
+
+
+if __name__ == "__main__":
+    main()
