@@ -194,19 +194,25 @@ def report(rows: list[dict[str, str]], *, title: str, command: str, threads: int
     write_result(out, "\n".join([header, *table]) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+def run_cli(cases: dict[str, Callable[[], Case]], *, description: str, title: str,
+            script: str) -> None:
+    """Parse the command line, measure the chosen ``cases``, write their table."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cases", nargs="+", default=list(cases), choices=list(cases))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "prediction_accuracy.md")
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{script}.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    rows = [row for name in args.cases for row in rows_for(name, args.repeats)]
-    report(rows, title="Prediction accuracy in real training loops",
-           command=".venv/bin/python benchmarks/prediction_accuracy.py",
+    rows = [row for name in args.cases for row in rows_for(name, args.repeats, cases[name])]
+    report(rows, title=title, command=f".venv/bin/python benchmarks/{script}.py",
            threads=args.threads, seconds=time.perf_counter() - start, out=args.out)
+
+
+def main() -> None:
+    run_cli(CASES, description=__doc__.split("\n\n")[0],
+            title="Prediction accuracy in real training loops", script="prediction_accuracy")
 
 
 if __name__ == "__main__":

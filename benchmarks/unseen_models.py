@@ -23,19 +23,15 @@ Prints a markdown table and writes it to benchmarks/results/unseen_models.md.
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see peers_run.py
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import RESULTS  # noqa: E402
-from prediction_accuracy import Case, report, rows_for  # noqa: E402
+from prediction_accuracy import Case, run_cli  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import remat  # noqa: E402
@@ -169,18 +165,8 @@ CASES: dict[str, Callable[[], Case]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "unseen_models.md")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    rows = [row for name in args.cases for row in rows_for(name, args.repeats, CASES[name])]
-    report(rows, title="The budget on models remat was not written for",
-           command=".venv/bin/python benchmarks/unseen_models.py",
-           threads=args.threads, seconds=time.perf_counter() - start, out=args.out)
+    run_cli(CASES, description=__doc__.split("\n\n")[0],
+            title="The budget on models remat was not written for", script="unseen_models")
 
 
 if __name__ == "__main__":
