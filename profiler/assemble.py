@@ -151,6 +151,7 @@ def _unit_profile(
         output_held_outside=in_step.output_held_outside,
         autocast_cache_bytes=max(f.forward_cache_bytes for f in figures.values()),
         param_signature=unit_signature(module),
+        input_grad_kept_until=in_step.input_grad_kept_until,
     )
 
 

@@ -94,6 +94,9 @@ class UnitInStep:
             the forward pass, its output excluded.
         keep: on a chain, its keep figures read off the step (``None`` where the step
             cannot tell them, see :func:`_keep_figures`).
+        input_grad_kept_until: off a chain, the unit through whose backward the code
+            before this one kept its input's gradient (``-1``: the prefix); ``None``:
+            consumed at once (``UnitProfile.input_grad_kept_until``).
     """
 
     input_bytes: int
@@ -104,6 +107,7 @@ class UnitInStep:
     param_grad_bytes: int
     held_bytes: int
     keep: OptionFigures | None = None
+    input_grad_kept_until: int | None = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,7 @@ class _UnitWatch:
     output_bytes: int = 0
     output_needs_grad: bool = False
     input_grad_bytes: int = 0
+    input_grad_record: int | None = None
     fwd_start: _Mark | None = None
     fwd_end: _Mark | None = None
     bwd_start: _Mark | None = None  # its output's gradient is ready
@@ -229,13 +234,15 @@ class _StepWatch:
         u.input_bytes = storage_nbytes(x) if u.input_record is not None else 0
         for t in tree_flatten((args, kwargs))[0]:
             rec = self.meter.record_of(t) if isinstance(t, torch.Tensor) else None
-            if rec is not None and rec != u.input_record:
+            if rec is None:
+                continue
+            if t.requires_grad:  # its users' backwards sum a gradient for it
+                grad = t.numel() * t.element_size()
+                self.side_grad[rec] = max(self.side_grad.get(rec, 0), grad)
+            if rec != u.input_record:
                 users = self.side_users.setdefault(rec, [])
                 if u.index not in users:
                     users.append(u.index)
-                if t.requires_grad:  # its users' backwards sum a gradient for it
-                    grad = t.numel() * t.element_size()
-                    self.side_grad[rec] = max(self.side_grad.get(rec, 0), grad)
         if x is not None and x.requires_grad:
             self.handles.append(x.register_hook(self._backward_hook(u, "end")))
 
@@ -259,6 +266,7 @@ class _StepWatch:
             self.backward_marks.append((which, u, mark))
             if which == "end":
                 u.input_grad_bytes = storage_nbytes(grad)
+                u.input_grad_record = self.meter.record_of(grad)
 
         return hook
 
@@ -409,12 +417,26 @@ def _hook_gradient_producers(
 # ---------------------------------------------------------------------------------
 # Reading the figures off the timeline
 # ---------------------------------------------------------------------------------
-def _shared(w: _StepWatch) -> dict[int, SharedInStep]:
-    """The storages handed to units besides their boundary input, by storage record."""
+def _shared(w: _StepWatch, is_chain: bool) -> dict[int, SharedInStep]:
+    """The storages handed to units besides their boundary input, by storage record.
+
+    Off a chain, so is a storage that is the boundary input of several units (a
+    DenseNet block's input, the first of the features every dense layer takes): its
+    users' boundary figures then leave it out, as they do every shared storage.
+    """
     meter, units = w.meter, w.units
     outside_savers = {rec for phase, rec in w.saved if phase[0] in ("prefix", "between")}
+    users_of = {rec: list(users) for rec, users in w.side_users.items()}
+    if not is_chain:
+        inputs: dict[int, list[int]] = {}
+        for u in units:
+            if u.input_record is not None:
+                inputs.setdefault(u.input_record, []).append(u.index)
+        for rec, readers in inputs.items():
+            if len(readers) > 1 or rec in users_of:
+                users_of[rec] = sorted({*users_of.get(rec, ()), *readers})
     shared = {}
-    for rec, users in w.side_users.items():
+    for rec, users in users_of.items():
         record = meter.records[rec]
         started = [u.index for u in units if u.fwd_start is not None
                    and u.fwd_start.tick < record.born]
@@ -436,7 +458,7 @@ def _figures(
     meter, units = w.meter, w.units
     first, last = units[0], units[-1]
     F = w.forward_end.tick
-    shared = _shared(w)
+    shared = _shared(w, is_chain)
     modelled = [*shared, *output_records]  # counted on their own, so in no figure below
 
     # -- forward: what each outside part allocated and still holds at the end -----
@@ -502,18 +524,33 @@ def _figures(
         held = meter.alive_bytes(F, born_after=u.fwd_start.tick, born_until=u.fwd_end.tick,
                                  exclude=[u.output_record, *modelled])
         held += meter.hidden_held(u.fwd_start.index, u.fwd_end.index)
+        # Off a chain a shared input is counted as shared only (on a chain it is the
+        # previous unit's output too, and stays the boundary).
+        input_shared = not is_chain and u.input_record in shared
+        # An output the unit did not make (an in-place op's: its input's storage) that
+        # is shared is held as long as the shared tensor is (the unit reads it, so it
+        # lives until the backward of this unit or an earlier one), and its gradient is
+        # the shared one, alive at this unit's backward when a later unit reads it too.
+        given = shared.get(u.output_record) if not is_chain else None
+        output_given = (given is not None and given.born_after < i and i in given.users
+                        and i < given.users[-1]
+                        and (given.grad_bytes > 0 or not u.output_needs_grad))
         in_step = UnitInStep(
-            input_bytes=u.input_bytes,
-            output_bytes=u.output_bytes,
-            input_held_outside=w.held_outside(u.input_record, neighbours(i, -1)),
+            input_bytes=0 if input_shared else u.input_bytes,
+            output_bytes=0 if output_given else u.output_bytes,
+            input_held_outside=(not input_shared
+                                and w.held_outside(u.input_record, neighbours(i, -1))),
             # A shared output's holders (later units, outside code) are the shared
             # tensor's: counted there once.
             output_held_outside=(u.output_record not in shared
                                  and w.held_outside(u.output_record, neighbours(i, +1))),
-            input_is_prev_output=(i > 0 and u.input_record is not None
+            input_is_prev_output=(i > 0 and u.input_record is not None and not input_shared
                                   and u.input_record == units[i - 1].output_record),
             param_grad_bytes=unit_param_grad[i],
             held_bytes=held,
+            # A shared input's gradient is the shared tensor's (SharedInStep.grad_bytes).
+            input_grad_kept_until=(None if is_chain or input_shared
+                                   else _input_grad_kept_until(w, u)),
         )
         keep = _keep_figures(w, u, held) if is_chain else None
         records.append(in_step if keep is None else _with_keep(in_step, keep))
@@ -547,6 +584,27 @@ def _figures(
     log.debug("baseline step: held after forward %d B, peak %d B, per-unit held in step %s",
               step.held_after_forward_bytes, step.peak_bytes, [u.held_bytes for u in records])
     return step
+
+
+def _input_grad_kept_until(w: _StepWatch, u: _UnitWatch) -> int | None:
+    """Off a chain, the unit through whose backward unit ``u``'s input gradient stayed
+    alive (``-1``: the prefix's), or ``None`` when the code before ``u`` let it go
+    before the next unit's backward started."""
+    if u.input_grad_record is None:
+        return None
+    died = w.meter.records[u.input_grad_record].died
+    if died is None or died > w.backward_end.tick:
+        return -1 if u.index > 0 else None
+    phase = w.backward_phase(died)
+    if phase[0] not in ("unit", "outside") or phase[1] >= u.index:
+        return None  # gone before any earlier unit's backward
+    # Freed in unit k's backward (counted through it) or after it; after unit 0's
+    # backward is the prefix's.
+    k = -1 if phase == ("outside", 0) else phase[1]
+    if k == u.index - 1 and u.input_grad_bytes <= w.units[k].output_bytes:
+        return None  # passed on as unit k's output gradient, which the model counts
+    # A concatenation's backward hands unit k a view of it: more than k's output.
+    return k
 
 
 def _with_keep(u: UnitInStep, keep: OptionFigures) -> UnitInStep:

@@ -226,6 +226,27 @@ def _shared_grads_in_backward(profile: Profile) -> tuple[int, ...]:
     return tuple(alive)
 
 
+def _kept_input_grads_in_backward(profile: Profile) -> tuple[int, ...]:
+    """Per unit i, off a chain, the input gradients of later units that the code before
+    them still keeps at unit i's backward (see ``UnitProfile.input_grad_kept_until``);
+    at index n, those kept through the prefix's backward."""
+    n = profile.n
+    alive = [0] * (n + 1)
+    if profile.is_chain:
+        return tuple(alive)
+    for j, unit in enumerate(profile.units):
+        k = unit.input_grad_kept_until
+        if k is None:
+            continue
+        for i in range(max(k, 0), j):
+            alive[i] += unit.input_grad_bytes
+        if k < 0:
+            alive[n] += unit.input_grad_bytes
+        elif k == j - 1:  # unit k's output gradient is part of it: counted once
+            alive[k] -= min(profile.units[k].output_bytes, unit.input_grad_bytes)
+    return tuple(alive)
+
+
 def _suffix_bwd_const(profile: Profile) -> int:
     """What no plan changes at the suffix's backward (the loss is not made yet; on a
     chain the last unit's output is the end's own term, see :func:`_end_need`)."""
@@ -244,6 +265,7 @@ def _bwd_constants(profile: Profile) -> tuple[int, ...]:
     base += profile.output_bytes + profile.kept_last_output_bytes
     base += profile.extra_grad_in_flight_bytes
     shared_grads = _shared_grads_in_backward(profile)
+    kept_grads = _kept_input_grads_in_backward(profile)
     at_start = profile.grads_alive_at_start
     later_pgrad = profile.grad_bytes if at_start else profile.suffix.param_grad_bytes
     out: list[int] = [0] * n
@@ -252,7 +274,7 @@ def _bwd_constants(profile: Profile) -> tuple[int, ...]:
             grad_out = units[i + 1].input_grad_bytes
         else:
             grad_out = units[i].output_bytes
-        out[i] = base + later_pgrad + grad_out + shared[i] + shared_grads[i]
+        out[i] = base + later_pgrad + grad_out + shared[i] + shared_grads[i] + kept_grads[i]
         if not at_start:
             later_pgrad += units[i].param_grad_bytes
     return tuple(out)
@@ -275,6 +297,7 @@ def _floor_bytes(profile: Profile) -> int:
         + kept
         + profile.extra_grad_in_flight_bytes
         + _shared_grads_in_backward(profile)[profile.n]
+        + _kept_input_grads_in_backward(profile)[profile.n]
     )
     if profile.is_chain:
         # The prefix's hold on unit 0's input outlives unit 0, and so does its gradient.

@@ -180,6 +180,11 @@ class UnitProfile:
             the forward pass of kept units a little, never under-counts.
         options: the measured cost of every option the runtime offers for this
             unit; ``keep`` is always present.
+        input_grad_kept_until: off a chain, the unit (its index; ``-1``: the prefix)
+            through whose backward the code before this unit keeps its input's
+            gradient alive: a concatenation's backward hands each of its inputs a view
+            of it, so it lives until the last of them is used. ``None``: that code
+            consumes it at once.
         param_signature: ``"<parameter count>:<hash>"`` of the unit's parameters'
             names, shapes and dtypes (:mod:`remat.runtime.structure`); plans carry it
             so that a model of another width is refused. ``None``: not recorded.
@@ -199,9 +204,14 @@ class UnitProfile:
     autocast_cache_bytes: int = 0
     input_kept_by_caller: bool = False
     param_signature: str | None = None
+    input_grad_kept_until: int | None = None
 
     def __post_init__(self) -> None:
         checked_str(self.name, "UnitProfile.name", ProfileError)
+        kept = self.input_grad_kept_until
+        if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int)):
+            raise ProfileError(f"unit {self.name!r}: UnitProfile.input_grad_kept_until must "
+                               f"be an int or None, got {kept!r}")
         if self.param_signature is not None:
             checked_str(self.param_signature, f"unit {self.name!r}: UnitProfile.param_signature",
                         ProfileError)
@@ -455,6 +465,11 @@ class Profile:
                 raise ProfileError(
                     f"Profile.units[{k}] must be a UnitProfile, got {type(unit).__name__}"
                 )
+            kept = unit.input_grad_kept_until
+            if kept is not None and (self.is_chain or not -1 <= kept < k):
+                raise ProfileError(
+                    f"unit {unit.name!r}: input_grad_kept_until={kept} must be None on a "
+                    f"chain, else an earlier unit's index or -1 (the prefix)")
         for name in ("prefix", "suffix"):
             if not isinstance(getattr(self, name), OutsideCost):
                 kind = type(getattr(self, name)).__name__

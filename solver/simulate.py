@@ -37,6 +37,9 @@ The rules it encodes:
   gradient, when it has one, from its last user's backward until the backward of
   the code that made it (off a chain, when it is its maker's output, until that
   unit's backward starts: from then on it is the unit's output gradient).
+* Off a chain, a unit's input gradient is consumed by the code before it at once,
+  or, with ``input_grad_kept_until = k``, kept alive until unit k's backward is done
+  (``-1``: the prefix's).
 * The step time is the measured step time plus every option's ``extra_ms``, once
   per micro-batch.
 
@@ -230,10 +233,25 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
             used = grad_merged if t.maker_output and not chain else grad_used
             used[t.born_after] = used.get(t.born_after, 0) + t.grad_bytes
 
+    # Off a chain, input gradients the code before their unit keeps (a concatenation's
+    # backward hands out views of it) until after unit k's backward (-1: the prefix's).
+    # When k is the unit just before, its output gradient is part of that storage:
+    # that part is let go as k's backward starts, for _backward_unit counts it anew.
+    grad_let_go: dict[int, int] = {}
+    grad_handed: dict[int, int] = {}  # before unit k's backward
+    for j, unit in enumerate(units):
+        if unit.input_grad_kept_until is not None and not chain:
+            k = unit.input_grad_kept_until
+            part = (min(units[k].output_bytes, unit.input_grad_bytes)
+                    if 0 <= k == j - 1 else 0)
+            grad_handed[k] = grad_handed.get(k, 0) + part
+            grad_let_go[k] = grad_let_go.get(k, 0) + unit.input_grad_bytes - part
+
     def after_backward(k: int) -> None:
         """What changes once unit k's backward is done, beyond the unit itself."""
         r.allocate_grad(grad_made.get(k, 0))
         r.free_grad(grad_used.get(k, 0))
+        r.free_grad(grad_let_go.get(k, 0))
 
     # Boundary keys. On a chain "b{i}" is unit i's input and "b{i+1}" its output;
     # off a chain every unit has its own "in{i}" and "out{i}".
@@ -306,8 +324,10 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     while i >= 0:
         seg = plan.segment_of(i)
         if seg is None:
-            r.free_grad(grad_merged.get(i, 0))
+            r.free_grad(grad_merged.get(i, 0) + grad_handed.get(i, 0))
             _backward_unit(r, profile, i, cost[i], chain, in_key(i), out_key(i))
+            if not chain and units[i].input_grad_kept_until is not None:
+                r.allocate_grad(units[i].input_grad_bytes)  # not let go yet: see above
             after_backward(i)
             done = [i]
         else:

@@ -186,6 +186,8 @@ def profiles(
                 output_held_outside=draw(st.booleans()),
                 autocast_cache_bytes=draw(st.sampled_from([0, 0, draw(_bytes)])),
                 input_kept_by_caller=draw(st.sampled_from([False, False, True])),
+                input_grad_kept_until=None if is_chain else draw(
+                    st.sampled_from([None, None, *range(-1, i)])),
             )
         )
     outside = st.builds(
