@@ -218,8 +218,10 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     shared_freed: dict[int, list[int]] = {}  # freed after unit k's backward
     shared_to_end = []
     grad_made: dict[int, int] = {}  # after unit k's backward: shared tensors' gradients
-    grad_used: dict[int, int] = {}  # after unit k's backward (-1: the prefix's): consumed
-    grad_merged: dict[int, int] = {}  # off a chain, unit k's output: its gradient as k's
+    grad_used: dict[int, int] = {}  # after unit k's backward (-1: the prefix's): let go
+    # Off a chain, gradients that become unit k's output gradient as its backward starts
+    # (_backward_unit counts that anew): let go then.
+    grad_to_output: dict[int, int] = {}
     for t, released in zip(profile.shared, profile.shared_released_after()):
         shared_born.setdefault(t.born_after, []).append(t.nbytes)
         if released is None:
@@ -230,28 +232,24 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
             grad_made[t.last_user] = grad_made.get(t.last_user, 0) + t.grad_bytes
             # A shared output's gradient is its maker's output gradient, which off a
             # chain _backward_unit counts from its backward on.
-            used = grad_merged if t.maker_output and not chain else grad_used
+            used = grad_to_output if t.maker_output and not chain else grad_used
             used[t.born_after] = used.get(t.born_after, 0) + t.grad_bytes
 
     # Off a chain, input gradients the code before their unit keeps (a concatenation's
     # backward hands out views of it) until after unit k's backward (-1: the prefix's).
-    # When k is the unit just before, its output gradient is part of that storage:
-    # that part is let go as k's backward starts, for _backward_unit counts it anew.
-    grad_let_go: dict[int, int] = {}
-    grad_handed: dict[int, int] = {}  # before unit k's backward
+    # When k is the unit just before, its output gradient is part of that storage.
     for j, unit in enumerate(units):
         if unit.input_grad_kept_until is not None and not chain:
             k = unit.input_grad_kept_until
             part = (min(units[k].output_bytes, unit.input_grad_bytes)
                     if 0 <= k == j - 1 else 0)
-            grad_handed[k] = grad_handed.get(k, 0) + part
-            grad_let_go[k] = grad_let_go.get(k, 0) + unit.input_grad_bytes - part
+            grad_to_output[k] = grad_to_output.get(k, 0) + part
+            grad_used[k] = grad_used.get(k, 0) + unit.input_grad_bytes - part
 
     def after_backward(k: int) -> None:
         """What changes once unit k's backward is done, beyond the unit itself."""
         r.allocate_grad(grad_made.get(k, 0))
         r.free_grad(grad_used.get(k, 0))
-        r.free_grad(grad_let_go.get(k, 0))
 
     # Boundary keys. On a chain "b{i}" is unit i's input and "b{i+1}" its output;
     # off a chain every unit has its own "in{i}" and "out{i}".
@@ -324,7 +322,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     while i >= 0:
         seg = plan.segment_of(i)
         if seg is None:
-            r.free_grad(grad_merged.get(i, 0) + grad_handed.get(i, 0))
+            r.free_grad(grad_to_output.get(i, 0))
             _backward_unit(r, profile, i, cost[i], chain, in_key(i), out_key(i))
             if not chain and units[i].input_grad_kept_until is not None:
                 r.allocate_grad(units[i].input_grad_bytes)  # not let go yet: see above

@@ -1,4 +1,5 @@
-"""Shared, generic test helpers: a ``seed`` fixture and skips for optional hardware/packages.
+"""Shared, generic test helpers: ``seed`` and ``free_port`` fixtures and skips for optional
+hardware/packages.
 
 Markers:
     ``gpu``: the test needs a CUDA device; skipped when ``torch.cuda.is_available()``
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -42,6 +44,14 @@ def seed() -> int:
     random.seed(0)
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 
 import pytest
@@ -25,12 +24,6 @@ if not hasattr(fsdp_api, "fully_shard") or not dist.is_available():
 
 WORLD = 2
 STEPS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int) -> None:
@@ -120,5 +113,5 @@ def _check(rank: int) -> None:
 
 
 @pytest.mark.slow
-def test_plan_composes_with_fully_shard_and_the_budget_is_per_rank() -> None:
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+def test_plan_composes_with_fully_shard_and_the_budget_is_per_rank(free_port: int) -> None:
+    mp.spawn(_worker, args=(free_port,), nprocs=WORLD, join=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 
 import pytest
@@ -21,12 +20,6 @@ from remat.solver import Plan
 
 WORLD = 2
 STEPS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plan(names: list[str], last: str = "selective") -> Plan:
@@ -123,7 +116,7 @@ def _check_mlp(rank: int) -> None:
 
 
 @pytest.mark.slow
-def test_ddp_two_cpu_processes() -> None:
+def test_ddp_two_cpu_processes(free_port: int) -> None:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port,), nprocs=WORLD, join=True)
