@@ -2,7 +2,7 @@
 
 Under ``torch.autocast`` every weight a forward uses is cast once and the cast is
 cached until the outermost autocast region ends. remat runs checkpointed units
-without that cache (:func:`remat.runtime.options.autocast_without_cache`), so the
+without that cache (:func:`remat.execute.options.autocast_without_cache`), so the
 casts of a checkpointed unit die with the op that used them. This script measures
 what that is worth: for each model, in a bf16 autocast loop, the plan at the
 smallest feasible peak, at the model's "small" batch and at batch 1 (where the
@@ -32,10 +32,10 @@ import torch  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
 
 import remat  # noqa: E402
-import remat.runtime.options as runtime_options  # noqa: E402
+import remat.execute.options as runtime_options  # noqa: E402
 import remat.runtime.segments as runtime_segments  # noqa: E402
 from remat import models  # noqa: E402
-from remat.bytesize import mib  # noqa: E402
+from remat.core.bytesize import mib  # noqa: E402
 from remat.solver import min_peak_bytes  # noqa: E402
 
 LOOP = remat.Loop(autocast="bfloat16")
@@ -73,7 +73,7 @@ def row(name: str, batch_size: int | None) -> list[object]:
         cached_dispatch, cached_allocator = _measure(ref, plan)
     return [
         name, models.config_for(name, size="small", **overrides).batch_size,
-        plan.summary(), mib(plan.predicted_peak_bytes, 2),
+        plan.summary(), mib(plan.record.predicted_peak_bytes, 2),
         f"{mib(fixed_dispatch, 2)} / {mib(fixed_allocator, 2)}",
         f"{mib(cached_dispatch, 2)} / {mib(cached_allocator, 2)}",
         f"{100 * (1 - fixed_allocator / cached_allocator):.1f}",

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
 
 from remat import models  # noqa: E402
-from remat.bytesize import format_bytes  # noqa: E402
+from remat.core.bytesize import format_bytes  # noqa: E402
 from remat.profiler import profile  # noqa: E402
 from remat.profiler.units import longest_list  # noqa: E402
 from remat.solver import min_peak_bytes  # noqa: E402

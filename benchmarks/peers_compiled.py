@@ -22,7 +22,7 @@ from torch import nn
 
 import remat
 from remat.compiled import measure_compiled, solve_compiled
-from remat.errors import InfeasibleBudgetError
+from remat.core.errors import InfeasibleBudgetError
 from remat.models import ReferenceModel
 
 REPO = str(Path(__file__).resolve().parent.parent)
@@ -122,7 +122,7 @@ def remat_compiled_row(ref: ReferenceModel, pristine: nn.Module, profile: remat.
     """
     def fresh(setting: str, plan: remat.Plan | None = None) -> Row:
         return Row(ref.name, REMAT_COMPILED, setting, COMPILED, budget_fraction=fraction,
-                   predicted_peak_bytes=plan.compiled_peak_bytes if plan else None)
+                   predicted_peak_bytes=plan.compiled.peak_bytes if plan else None)
 
     try:
         t0 = time.perf_counter()
@@ -134,11 +134,11 @@ def remat_compiled_row(ref: ReferenceModel, pristine: nn.Module, profile: remat.
         smallest = mib_cell(exc.min_feasible_bytes)
         row.note = f"no plan fits compiled: smallest measured {smallest} MiB"
         return row
-    setting = f"f={fraction:g}: {plan.summary()}; amb={plan.activation_memory_budget:g}"
+    amb = plan.compiled.activation_memory_budget
+    setting = f"f={fraction:g}: {plan.summary()}; amb={amb:g}"
     row = fresh(setting, plan)
     try:
-        run_compiled(row, ref, copy.deepcopy(pristine), plan, plan.activation_memory_budget,
-                     repeats)
+        run_compiled(row, ref, copy.deepcopy(pristine), plan, amb, repeats)
     # Dynamo and inductor can raise almost anything (Unsupported, BackendCompilerFailed,
     # InternalTorchDynamoError, RuntimeError from a generated kernel...): whichever it
     # is, it is this row's result, recorded in its note, and the benchmark goes on.

@@ -56,12 +56,12 @@ from torch import nn
 import remat
 from remat.api import activation_budget
 from remat.compiled import DEFAULT_PARTITIONER_BUDGETS, solve_compiled
-from remat.errors import InfeasibleBudgetError
+from remat.core.errors import InfeasibleBudgetError
+from remat.measurement.runner import forward_loss, model_device
+from remat.measurement.state import clear_grads
+from remat.measurement.timing import Stopwatch
 from remat.models import ReferenceModel, build
-from remat.profiler.state import clear_grads
-from remat.profiler.step import forward_loss, model_device
-from remat.profiler.timing import Stopwatch
-from remat.solver.solve import no_checkpoint_peak_bytes
+from remat.solver.resolve import no_checkpoint_peak_bytes
 
 # Model sizes for the full run, tuned so that the whole run (4 models, 3 budgets,
 # 4 torch.compile compiles per model plus remat's compiled search) takes about
@@ -147,7 +147,7 @@ def measure_eager(variants: Sequence[Variant], ref: ReferenceModel, repeats: int
     """
     steps = [make_step(ref, v.model) for v in variants]
     rows = [Row(ref.name, v.method, v.setting, v.family, budget_fraction=v.budget_fraction,
-                predicted_peak_bytes=v.predicted_peak_bytes) for v in variants]
+                predicted_peak_bytes=v.record.predicted_peak_bytes) for v in variants]
     ok: list[int] = []
     for i, (v, step, row) in enumerate(zip(variants, steps, rows)):
         run_guarded(f"{ref.name} {v.method} {v.setting}",

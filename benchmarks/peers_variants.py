@@ -109,7 +109,7 @@ def remat_variant(pristine: nn.Module, plan: remat.Plan, method: str, setting: s
             raise RuntimeError(f"remat.remove_plan left wrapped forwards on {sorted(left)}")
 
     return Variant(method, setting, EAGER, model, budget_fraction=fraction,
-                   predicted_peak_bytes=plan.predicted_peak_bytes, teardown=teardown)
+                   predicted_peak_bytes=plan.record.predicted_peak_bytes, teardown=teardown)
 
 
 def peer_variants(ref: ReferenceModel, pristine: nn.Module) -> tuple[list[Variant], list[str]]:

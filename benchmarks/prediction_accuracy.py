@@ -31,9 +31,9 @@ from _common import RESULTS, machine_line, markdown_table, write_result  # noqa:
 
 import remat  # noqa: E402
 from remat import models  # noqa: E402
-from remat.bytesize import mib  # noqa: E402
+from remat.core.bytesize import mib  # noqa: E402
 from remat.solver import min_peak_bytes  # noqa: E402
-from remat.solver.solve import no_checkpoint_peak_bytes  # noqa: E402
+from remat.solver.resolve import no_checkpoint_peak_bytes  # noqa: E402
 from remat.verify import measure_plan, verified  # noqa: E402
 
 COLUMNS = ("case", "loop", "budget", "plan", "pred MiB", "disp MiB", "alloc MiB",
@@ -128,15 +128,15 @@ def rows_for(name: str, repeats: int, make: Callable[[], Case] | None = None
                               optimizer=optimizer, repeats=repeats)
         finally:
             remat.remove_plan(case.model)
-        error = (plan.predicted_peak_bytes - m.allocator_peak_bytes) / m.allocator_peak_bytes
+        error = (plan.record.predicted_peak_bytes - m.allocator_peak_bytes) / m.allocator_peak_bytes
         row.update({
             "plan": plan.summary(),
-            "pred MiB": mib(plan.predicted_peak_bytes, 2),
+            "pred MiB": mib(plan.record.predicted_peak_bytes, 2),
             "disp MiB": mib(m.peak_bytes, 2),
             "alloc MiB": mib(m.allocator_peak_bytes, 2),
             "err % (alloc)": f"{100 * error:+.2f}",
             "fits": "yes" if m.worst_peak_bytes <= budget else "NO",
-            "pred ms": f"{plan.predicted_time_ms:.0f}",
+            "pred ms": f"{plan.record.predicted_time_ms:.0f}",
             "meas ms": f"{m.time_ms:.0f}",
         })
         row["verified"], row["_outcome"] = _verify(case, optimizer, profile, plan, budget, m)
@@ -161,8 +161,9 @@ def _verify(case: Case, optimizer, profile: remat.Profile, plan: remat.Plan, bud
                            .with_(budget_bytes=budget), measure)
     except remat.InfeasibleBudgetError as err:
         return f"infeasible: min {mib(err.min_feasible_bytes, 2)}", "infeasible"
-    outcome = "fits" if checked.measured_peak_bytes <= budget else "over"
-    return f"{checked.verify_rounds} round(s), {mib(checked.measured_peak_bytes, 2)}", outcome
+    done = checked.verification
+    outcome = "fits" if done.measured_peak_bytes <= budget else "over"
+    return f"{done.rounds} round(s), {mib(done.measured_peak_bytes, 2)}", outcome
 
 
 def report(rows: list[dict[str, str]], *, title: str, command: str, threads: int,

@@ -33,9 +33,9 @@ from _common import RESULTS, machine_line, markdown_table, write_result  # noqa:
 
 import remat  # noqa: E402
 from remat import models  # noqa: E402
-from remat.profiler.state import clear_grads  # noqa: E402
-from remat.profiler.step import model_device  # noqa: E402
-from remat.profiler.timing import Stopwatch  # noqa: E402
+from remat.measurement.runner import model_device  # noqa: E402
+from remat.measurement.state import clear_grads  # noqa: E402
+from remat.measurement.timing import Stopwatch  # noqa: E402
 
 
 class _PhaseLog(logging.Handler):

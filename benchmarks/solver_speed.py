@@ -24,14 +24,15 @@ from pathlib import Path
 
 from _common import RESULTS, machine_line, markdown_table, write_result
 
-from remat.bytesize import MIB, mib
-from remat.errors import RematError
+from remat.core.bytesize import MIB, mib
+from remat.core.errors import RematError
+from remat.core.option import Option
+from remat.core.plan import Plan
+from remat.core.profile import OptionCost, OutsideCost, Profile, UnitProfile
 from remat.solver.dp import solve_dp
 from remat.solver.ilp import solve_ilp
 from remat.solver.min_peak import min_peak_bytes
-from remat.solver.plan import Plan
-from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
-from remat.solver.solve import no_checkpoint_peak_bytes
+from remat.solver.resolve import no_checkpoint_peak_bytes
 
 log = logging.getLogger("solver_speed")
 
@@ -170,17 +171,18 @@ def _run_ilp(
         log.info("ilp: %s", err)
         return IlpRun(time.perf_counter() - start, "no plan in time", "n/a")
     seconds = time.perf_counter() - start
-    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= budget
-    assert plan.predicted_time_ms is not None and dp_plan.predicted_time_ms is not None
-    gap = plan.predicted_time_ms - dp_plan.predicted_time_ms
+    record = plan.record
+    assert record.predicted_peak_bytes is not None and record.predicted_peak_bytes <= budget
+    assert record.predicted_time_ms is not None and dp_plan.record.predicted_time_ms is not None
+    gap = plan.record.predicted_time_ms - dp_plan.record.predicted_time_ms
     # Equal up to CP-SAT's integer-nanosecond time scaling (see solver/ilp.py).
     if abs(gap) <= 1e-6 * profile.n:
         agree = "yes"
-    elif gap > 0 and plan.status != "optimal":
+    elif gap > 0 and plan.record.status != "optimal":
         agree = f"no proof: ILP {gap:+.3f} ms"
     else:
         agree = f"NO (ILP {gap:+.6f} ms)"
-    return IlpRun(seconds, plan.status, agree)
+    return IlpRun(seconds, plan.record.status, agree)
 
 
 def _row(n: int, repeats: int, ilp_limit_s: float) -> list[str]:
@@ -190,8 +192,8 @@ def _row(n: int, repeats: int, ilp_limit_s: float) -> list[str]:
     dp_s, dp_plan = _time_dp(profile, budget, repeats)
     cold = _run_ilp(profile, budget, dp_plan, ilp_limit_s, hint=None)
     warm = _run_ilp(profile, budget, dp_plan, ilp_limit_s, hint=dp_plan)
-    assert dp_plan.predicted_time_ms is not None
-    over = 100 * (dp_plan.predicted_time_ms / profile.step_ms - 1)
+    assert dp_plan.record.predicted_time_ms is not None
+    over = 100 * (dp_plan.record.predicted_time_ms / profile.step_ms - 1)
     return [str(n), f"{dp_s:.3f}", f"{cold.seconds:.1f}", cold.status, cold.agree,
             f"{warm.seconds:.1f}", warm.status, warm.agree, mib(budget, 0), f"{over:.2f}",
             dp_plan.summary()]

@@ -21,20 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.core.loop import Loop
+from remat.core.option import Option
+from remat.core.profile import OptionCost, OutsideCost, Profile, SharedTensor, UnitProfile
+from remat.execute.structure import unit_signature
+from remat.measurement.step import StepTimes
 from remat.profiler.capture import ChainCheck
 from remat.profiler.instrument import BaselineStep, UnitInStep
 from remat.profiler.replay import OptionFigures, UnitTiming
-from remat.profiler.step import StepTimes
-from remat.runtime.structure import unit_signature
-from remat.solver.loop import Loop
-from remat.solver.profile import (
-    Option,
-    OptionCost,
-    OutsideCost,
-    Profile,
-    SharedTensor,
-    UnitProfile,
-)
 
 __all__ = ["Measurements", "build_profile", "input_shapes", "model_dtype"]
 

@@ -22,10 +22,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat.errors import ProfileError
-from remat.profiler.state import RngState
-from remat.runtime.boundary import boundary_input, boundary_output
-from remat.runtime.kv_cache import is_kv_cache, warn_kv_cache_once
+from remat.core.errors import ProfileError
+from remat.execute.boundary import boundary_input, boundary_output
+from remat.execute.kv_cache import is_kv_cache, warn_kv_cache_once
+from remat.measurement.state import RngState
 
 __all__ = ["Captured", "ChainCheck", "UnitCall", "UnitTrace", "check_chain", "trace_units"]
 
@@ -38,7 +38,7 @@ class Captured:
 
     tensor: torch.Tensor
     requires_grad: bool
-    boundary: bool = False  # the call's boundary input (:mod:`remat.runtime.boundary`)
+    boundary: bool = False  # the call's boundary input (:mod:`remat.execute.boundary`)
 
     def fresh(self) -> torch.Tensor:
         """A new leaf on the same storage, requiring grad as the original did."""
@@ -103,7 +103,7 @@ class UnitTrace:
 def _capture(value: Any, boundary: torch.Tensor | None) -> Any:
     """Detach every tensor (keeping storage, not graph); drop Hugging Face caches."""
     if is_kv_cache(value):
-        # Replays run without the cache (see remat.runtime.kv_cache), so what the cache
+        # Replays run without the cache (see remat.execute.kv_cache), so what the cache
         # holds in the real step is not in the profile: say so.
         warn_kv_cache_once()
         return None
@@ -225,8 +225,8 @@ def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None,
     ``.loss``; a model without a loss is recorded up to its output). The model is
     left as it was (buffers, RNG state, modes; no backward runs).
     """
-    from remat.profiler.state import training_session
-    from remat.profiler.step import call_model
+    from remat.measurement.runner import call_model
+    from remat.measurement.state import training_session
 
     found = _units_to_check(model, sample_batch, units, loss_fn)
     with training_session(model):
@@ -236,10 +236,10 @@ def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None,
 
 def _units_to_check(model: nn.Module, sample_batch: Any, units: Any,
                     loss_fn: Any) -> list[tuple[str, nn.Module]]:
+    from remat.measurement.runner import call_model
+    from remat.measurement.state import training_session
     from remat.profiler.choice import choose
-    from remat.profiler.loop import call_model
     from remat.profiler.saves import record_saves
-    from remat.profiler.state import training_session
     from remat.profiler.units import discover_units
 
     if units is not None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.errors import ProfileError
+from remat.core.errors import ProfileError
 from remat.profiler.coverage import Coverage, measure_coverage
 from remat.profiler.discovery import Discovery, choose_units
 from remat.profiler.saves import SaveRecord, record_saves
@@ -160,8 +160,8 @@ def find_units(
 
     The model is left as it was (buffers, RNG state, modes).
     """
-    from remat.profiler.loop import call_model, compute_loss
-    from remat.profiler.state import training_session
+    from remat.measurement.runner import call_model, compute_loss
+    from remat.measurement.state import training_session
 
     granularity = check_granularity(granularity)
     given = discover_units(model, units) if units is not None else None

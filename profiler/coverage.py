@@ -15,9 +15,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from remat.bytesize import format_bytes
+from remat.core.bytesize import format_bytes
+from remat.core.profile import Profile
 from remat.profiler.saves import SaveRecord
-from remat.solver.profile import Profile
 
 __all__ = ["WARN_BELOW", "Coverage", "measure_coverage", "warn_if_low"]
 
@@ -50,7 +50,7 @@ class Coverage:
         return self.held_bytes / self.activation_bytes if self.activation_bytes else 1.0
 
     def to_meta(self) -> dict[str, object]:
-        """The fields a :class:`~remat.solver.profile.Profile` keeps in its ``meta``."""
+        """The fields a :class:`~remat.core.profile.Profile` keeps in its ``meta``."""
         return {
             "activation_bytes": self.activation_bytes,
             "covered_bytes": self.held_bytes,

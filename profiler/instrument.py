@@ -47,12 +47,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from remat.errors import ProfileError
-from remat.profiler.loop import LossFn, StepRunner, output_tensors
+from remat.core.errors import ProfileError
+from remat.execute.boundary import boundary_input, boundary_output
+from remat.measurement.runner import StepRunner, output_tensors
+from remat.measurement.storage import storage_nbytes
 from remat.profiler.replay import OptionFigures
 from remat.profiler.timeline import TimelineMeter
-from remat.runtime.boundary import boundary_input, boundary_output, storage_nbytes
-from remat.solver.loop import Loop
 
 __all__ = ["BaselineStep", "OutsideFigures", "UnitInStep", "instrumented_step"]
 
@@ -310,24 +310,18 @@ class _StepWatch:
 
 
 def instrumented_step(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn | None,
+    runner: StepRunner,
     units: list[tuple[str, nn.Module]],
     *,
     is_chain: bool,
-    device_type: str,
-    optimizer: torch.optim.Optimizer | None = None,
-    loop: Loop | None = None,
 ) -> BaselineStep:
-    """Run one instrumented micro-batch of ``loop`` and its optimizer step; ``units`` in
-    execution order.
+    """Run one instrumented micro-batch of the runner's loop and its optimizer step;
+    ``units`` in execution order.
 
     Gradients must be ``None`` on entry (they are allocated inside the region).
     """
-    loop = loop if loop is not None else Loop(keep_output=False)
-    runner = StepRunner(model, batch, loss_fn, optimizer, loop, device_type)
-    meter = TimelineMeter(device_type=device_type, allocator=True)
+    model, loop = runner.model, runner.loop
+    meter = TimelineMeter(device_type=runner.device_type, allocator=True)
     grad_records: dict[int, int] = {}  # gradient storage record -> tick it is counted from
     with meter:
         watch = _StepWatch(meter, units)

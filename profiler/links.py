@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.runtime.boundary import boundary_input
+from remat.execute.boundary import boundary_input
 
 __all__ = ["inputs_kept_by_caller"]
 

@@ -46,22 +46,32 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
-from contextlib import AbstractContextManager as ContextManager
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.errors import ProfileError
+from remat.core.checks import check_profile_args
+from remat.core.errors import ProfileError
+from remat.core.loop import Loop, loop_or_default
+from remat.core.option import Option
+from remat.core.profile import Profile
+from remat.execute.planned import has_plan
+from remat.measurement.runner import LossFn, StepRunner, call_model, model_device
+from remat.measurement.state import ModelState, clear_grads, training_session
+from remat.measurement.step import time_steps
+from remat.measurement.storage import batch_bytes, fixed_bytes
+from remat.measurement.storage import storage_bytes as tensor_storage_bytes
+from remat.measurement.timing import Stopwatch
 from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
 from remat.profiler.capture import UnitCall, UnitTrace, trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
 from remat.profiler.instrument import instrumented_step
 from remat.profiler.links import inputs_kept_by_caller
-from remat.profiler.loop import StepRunner, call_model
+from remat.profiler.optimizer import optimizer_figures
 from remat.profiler.progress import Progress
 from remat.profiler.replay import (
     OPTION_ERRORS,
@@ -73,25 +83,10 @@ from remat.profiler.replay import (
     time_unit,
 )
 from remat.profiler.saves import record_saves
-from remat.profiler.state import ModelState, clear_grads, training_session
-from remat.profiler.step import (
-    LossFn,
-    batch_bytes,
-    fixed_bytes,
-    model_device,
-    optimizer_figures,
-    tensor_storage_bytes,
-    time_steps,
-)
-from remat.profiler.timing import Stopwatch
 from remat.profiler.twins import signature
 from remat.profiler.units import UnitsSpec, discover_units
-from remat.runtime.apply import planned
-from remat.solver.loop import Loop
-from remat.solver.profile import Option, Profile
-from remat.validate import check_profile_args
 
-__all__ = ["default_options", "profile"]
+__all__ = ["default_options", "profile", "profile_levels"]
 
 log = logging.getLogger("remat")
 
@@ -172,20 +167,19 @@ def profile(
             (:mod:`remat.profiler.twins`). Their bytes are still measured one by one.
         progress: show a progress line on stderr (only when it is a terminal);
             ``False`` to never show it.
-        loop: the training loop the plan is for (:class:`~remat.solver.loop.Loop`:
+        loop: the training loop the plan is for (:class:`~remat.core.loop.Loop`:
             gradient accumulation, whether the output is kept through the backward
             pass, autocast, a gradient scaler, ``zero_grad(set_to_none=...)``);
             default ``Loop()``, a plain loop that keeps the output. The profile
             measures that loop and records it.
         granularity: ``"blocks"`` plans the units as found; ``"children"`` each
-            unit's children instead; ``"auto"``, where the units are few (under 8) or
-            one holds half of their memory, profiles both levels and returns the
-            one whose optimal plans are faster over a range of budgets
-            (:mod:`remat.profiler.granularity`; it costs a second profile).
+            unit's children instead. ``"auto"`` (both levels, the better kept) compares
+            the levels' optimal plans, which takes the solver: :func:`remat.profile`
+            does it, on :func:`profile_levels`.
 
     Returns:
         The :class:`Profile`. Byte figures come from the dispatch-level
-        :class:`~remat.meter.MemoryMeter`, times are medians in milliseconds.
+        :class:`~remat.measurement.meter.MemoryMeter`, times are medians in milliseconds.
 
     Raises:
         NoUnitsError: no units found; pass ``units=``.
@@ -196,13 +190,45 @@ def profile(
     Nothing about the model changes: parameters, buffers, ``.grad``, ``requires_grad``,
     train/eval modes, RNG states and the optimizer state are restored.
     """
+    if granularity == "auto":
+        raise ProfileError(
+            "granularity='auto' profiles both levels and keeps the one whose optimal plans are "
+            "faster, which takes the solver: call remat.profile(..., granularity='auto'), or "
+            "remat.profiler.profile_levels() for both profiles")
+    blocks, _ = profile_levels(model, sample_batch, loss_fn=loss_fn, units=units,
+                               optimizer=optimizer, options=options, warmup=warmup,
+                               repeats=repeats, tolerance=tolerance, pool_twins=pool_twins,
+                               progress=progress, loop=loop, granularity=granularity)
+    return blocks
+
+
+def profile_levels(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    units: UnitsSpec = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    options: Iterable[str | Option] | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    tolerance: float = 0.05,
+    pool_twins: bool = True,
+    progress: bool | None = None,
+    loop: Loop | None = None,
+    granularity: str = "blocks",
+) -> tuple[Profile, Profile | None]:
+    """The profile at ``granularity`` and, for ``"auto"`` where the blocks are few (under
+    8) or one holds half of their memory, the profile of the blocks' children too
+    (``None`` otherwise): :func:`profile`'s arguments, for the caller to compare
+    (:mod:`remat.granularity` does, with the solver)."""
     check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop)
     if repeats < 1 or warmup < 0 or not 0 <= tolerance < 1:
         raise ProfileError(
             f"need repeats >= 1, warmup >= 0 and 0 <= tolerance < 1, got {repeats=} {warmup=} "
             f"{tolerance=}"
         )
-    if planned(model) is not None:
+    if has_plan(model):
         raise ProfileError(
             "the model has a plan applied: profile the model without it (a plan changes what "
             "its units save); call remat.remove_plan(model) first, or use remat.measure() to "
@@ -215,17 +241,15 @@ def profile(
         )
     level = check_granularity(granularity)
     settings = _Settings(loss_fn, optimizer, options, warmup, repeats, tolerance, pool_twins,
-                         progress, loop if loop is not None else Loop())
+                         progress, loop_or_default(loop))
     result, choice = _profile(model, sample_batch, units, level, settings)
+    finer = None
     if level == "auto" and choice.children is not None:
-        from remat.profiler.granularity import pick_level
-
         finer, _ = _profile(model, sample_batch, list(choice.children), "blocks", settings)
         finer = replace(finer, meta={**finer.meta, "units_from": "children of the blocks",
                                      "granularity": "children"})
-        result = pick_level(result, finer)
     warn_if_low(result, type(model).__name__)
-    return result
+    return result, finer
 
 
 @dataclass(frozen=True)
@@ -287,16 +311,14 @@ def _profile(
             opt_state, opt_peak = 0, 0
             if optimizer is not None:
                 bar.step("optimizer")
-                opt_state, opt_peak = optimizer_figures(runner, params, device.type)
+                opt_state, opt_peak = optimizer_figures(runner)
                 state.rng.restore()
                 state.restore_buffers()
 
             bar.step("baseline step")
             watch.sync()
             fixed = fixed_bytes(model, optimizer) + batch_bytes(sample_batch, device)
-            base = instrumented_step(model, sample_batch, loss_fn, ordered,
-                                     is_chain=trace.chain.is_chain, device_type=device.type,
-                                     optimizer=optimizer, loop=loop)
+            base = instrumented_step(runner, ordered, is_chain=trace.chain.is_chain)
             clear_grads(params)
             state.rng.restore()
             state.restore_buffers()
@@ -309,8 +331,8 @@ def _profile(
                               tolerance=tolerance)
 
             policy = _TimingPolicy(more_warmup, repeats, tolerance, pool_twins)
-            figures, timings = _measure_units(trace, ordered, opts, base.keep, device.type, watch,
-                                              params, state, bar, policy, runner.autocast)
+            figures, timings = _measure_units(trace, ordered, opts, base.keep, runner, watch,
+                                              state, bar, policy)
     finally:
         bar.close()
 
@@ -380,13 +402,11 @@ def _measure_units(
     ordered: list[tuple[str, nn.Module]],
     opts: list[str],
     keep_in_step: list[OptionFigures | None],
-    device_type: str,
+    runner: StepRunner,
     watch: Stopwatch,
-    params: list[nn.Parameter],
     state: ModelState,
     bar: Progress,
     timing: _TimingPolicy,
-    autocast: Callable[[], ContextManager[None]],
 ) -> tuple[dict[str, dict[str, OptionFigures]], dict[str, UnitTiming]]:
     """Every unit under every option: metered once, then timed.
 
@@ -416,7 +436,7 @@ def _measure_units(
         figures[name] = {}
         for o in opts:
             result = in_step if o == Option.KEEP.value and in_step is not None else _try_option(
-                call, o, device_type, params, autocast)
+                call, o, runner)
             if isinstance(result, OptionFailure):
                 log.warning("unit %r: option %r dropped, it cannot run on this unit: %s",
                             name, o, result.reason)
@@ -432,10 +452,10 @@ def _measure_units(
         pool.members.append(name)
         pool_of[name] = pool
         if not pool.samples.settled(timing.repeats, timing.tolerance):
-            time_unit(call, pool.samples.options, watch, params, warmup=timing.warmup,
+            time_unit(call, pool.samples.options, runner, watch, warmup=timing.warmup,
                       repeats=timing.repeats,
                       tolerance=timing.tolerance, samples=pool.samples,
-                      max_rounds=1 if still_to_come[sig] else None, autocast=autocast)
+                      max_rounds=1 if still_to_come[sig] else None)
             if pool.pending is not None:
                 pool.pending.release()
                 pool.pending = None
@@ -448,9 +468,9 @@ def _measure_units(
     for pool in pools.values():
         if pool.pending is not None:
             if not pool.samples.settled(timing.repeats, timing.tolerance):
-                time_unit(pool.pending, pool.samples.options, watch, params, warmup=timing.warmup,
-                          repeats=timing.repeats, tolerance=timing.tolerance, samples=pool.samples,
-                          autocast=autocast)
+                time_unit(pool.pending, pool.samples.options, runner, watch,
+                          warmup=timing.warmup, repeats=timing.repeats,
+                          tolerance=timing.tolerance, samples=pool.samples)
                 state.restore_buffers()
             pool.pending.release()
     if len(pools) < len(ordered):
@@ -461,22 +481,16 @@ def _measure_units(
     return figures, timings
 
 
-def _try_option(
-    call: UnitCall,
-    option: str,
-    device_type: str,
-    params: list[nn.Parameter],
-    autocast: Callable[[], ContextManager[None]],
-) -> OptionFigures | OptionFailure:
+def _try_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFigures | OptionFailure:
     """The option's metered replay; an option other than keep that fails on the unit is
     an :class:`OptionFailure`. Those options run only after the unit ran under keep in
     the profiler's training steps, so what they raise comes from the option."""
     if option == Option.KEEP.value:
-        return measure_option(call, option, device_type, params, autocast=autocast)
+        return measure_option(call, option, runner)
     try:
-        return measure_option(call, option, device_type, params, autocast=autocast)
+        return measure_option(call, option, runner)
     except OPTION_ERRORS as err:
-        clear_grads(params)
+        clear_grads(runner.params)
         return OptionFailure.of(option, err)
 
 

@@ -27,24 +27,23 @@ Per option, in bytes above the live bytes at each point:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager as ContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from remat.errors import RematError
+from remat.core.errors import RematError
+from remat.execute.boundary import boundary_output
+from remat.execute.options import forward_with_option
+from remat.measurement.runner import StepRunner
+from remat.measurement.state import clear_grads
+from remat.measurement.storage import storage_nbytes
+from remat.measurement.timing import Stopwatch, median, parts_settled
 from remat.profiler.capture import UnitCall
-from remat.profiler.state import clear_grads
 from remat.profiler.timeline import TimelineMeter
-from remat.profiler.timing import Stopwatch, median, parts_settled
-from remat.runtime.boundary import boundary_output, storage_nbytes
-from remat.runtime.options import forward_with_option
 
 __all__ = [
     "OPTION_ERRORS",
@@ -129,28 +128,21 @@ def _storage_ref(t: torch.Tensor | None) -> weakref.ref | None:
     return weakref.ref(t.untyped_storage())
 
 
-def measure_option(
-    call: UnitCall,
-    option: str,
-    device_type: str,
-    params: Sequence[nn.Parameter],
-    *,
-    autocast: Callable[[], ContextManager[None]] = contextlib.nullcontext,
-) -> OptionFigures:
+def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFigures:
     """Replay ``call`` once under ``option`` with the memory meter (see module docstring).
 
-    ``params`` (the whole model's) have their gradients cleared before and after. The
-    forward runs inside ``autocast()`` (the loop's ``torch.autocast``, or nothing),
-    the backward outside it, as in a training loop; what only the autocast region
-    kept alive (its cache of weight casts) is ``forward_cache_bytes``.
+    The runner's model's parameters have their gradients cleared before and after. The
+    forward runs inside the runner's autocast (the loop's ``torch.autocast``, or
+    nothing), the backward outside it, as in a training loop; what only the autocast
+    region kept alive (its cache of weight casts) is ``forward_cache_bytes``.
     """
-    module = call.module
+    module, params, autocast = call.module, runner.params, runner.autocast
     call.rng.restore()
     clear_grads(params)
     x_in, leaf = _fresh_input(call)
     args, kwargs = call.inputs(x_in)
     root_grad = _root_grad(call)  # outside the region: a step's loss gradient is not ours
-    with TimelineMeter(device_type=device_type, allocator=True) as meter:
+    with TimelineMeter(device_type=runner.device_type, allocator=True) as meter:
         begin = len(meter.marks)
         meter.mark("start")
         with autocast():
@@ -253,15 +245,14 @@ class TimingSamples:
 def time_unit(
     call: UnitCall,
     options: Sequence[str],
+    runner: StepRunner,
     watch: Stopwatch,
-    params: Sequence[nn.Parameter],
     *,
     warmup: int,
     repeats: int,
     tolerance: float = 0.0,
     samples: TimingSamples | None = None,
     max_rounds: int | None = None,
-    autocast: Callable[[], ContextManager[None]] = contextlib.nullcontext,
 ) -> TimingSamples:
     """Time ``call`` under each option (no meter, no hooks); the samples, for their medians.
 
@@ -272,7 +263,7 @@ def time_unit(
     after ``max_rounds`` timed rounds. Samples are added to ``samples`` when given
     (twin units pool theirs), else to new ones.
     """
-    module = call.module
+    module, params, autocast = call.module, runner.params, runner.autocast
     samples = samples if samples is not None else TimingSamples(tuple(options))
     limit = max_rounds if max_rounds is not None else repeats
     taken = 0

@@ -11,14 +11,14 @@ list lengths. While the model's forward (and the loss) runs once:
 * the same dispatch mode counts aten ops, so the ops that run between any two
   module calls are known (``enter_op`` / ``exit_op``), which is what the
   capture pass's chain check counts;
-* each call's boundary input (:mod:`remat.runtime.boundary`) is matched, by
+* each call's boundary input (:mod:`remat.execute.boundary`) is matched, by
   identity, with the calls whose boundary output it is (``input_from``).
 
 A storage is *held by* a set of disjoint modules when every save of it happened
 inside one of them: only then can a plan of those modules drop it. No backward
 runs (what is saved is known at the end of the forward), so the pass costs about
 one forward; the model is left as it was (the caller runs it inside
-:func:`~remat.profiler.state.training_session`).
+:func:`~remat.measurement.state.training_session`).
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from remat.runtime.boundary import boundary_input, boundary_output
+from remat.execute.boundary import boundary_input, boundary_output
+from remat.measurement.meter import returns_alias
 
 __all__ = ["ModuleCall", "SaveRecord", "Saved", "record_saves"]
-
-ROOT = 0  # the model's own call is call 0
-
 
 @dataclass
 class ModuleCall:
@@ -52,7 +50,6 @@ class ModuleCall:
         calls: how many times the module ran (a unit must run exactly once).
         enter_op, exit_op: the op counter when its first call started and ended.
         input_from: calls whose boundary output is this call's boundary input.
-        has_input: its call had a boundary input tensor.
         input_saved: the index in :attr:`SaveRecord.saved` of its boundary input's
             storage, when that storage is an activation saved for backward.
     """
@@ -65,7 +62,6 @@ class ModuleCall:
     enter_op: int = 0
     exit_op: int = 0
     input_from: tuple[int, ...] = ()
-    has_input: bool = False
     input_saved: int | None = None
     input_fresh_bytes: int = 0
 
@@ -151,7 +147,7 @@ class _Pass(TorchDispatchMode):
         if self.quiet:
             return out
         self.ops += 1
-        aliases = _returns_alias(func)
+        aliases = returns_alias(func)
         for k, t in enumerate(tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and not (
                     k < len(aliases) and aliases[k]):
@@ -165,13 +161,6 @@ class _Pass(TorchDispatchMode):
         st = t.untyped_storage()
         ref = self.fresh.get(id(st))
         return ref is not None and ref() is st
-
-
-def _returns_alias(func: Any) -> list[bool]:
-    try:
-        return [r.alias_info is not None for r in func._schema.returns]
-    except AttributeError:  # not an OpOverload with a schema: outputs are fresh
-        return []
 
 
 class _Recorder:
@@ -200,7 +189,6 @@ class _Recorder:
         located = boundary_input(args, kwargs)
         if located is not None:
             x = located[1]
-            call.has_input = True
             call.input_from = tuple(i for ref, i in self.producers.get(id(x), ()) if ref() is x)
             if x.layout == torch.strided:
                 self.inputs[call.index] = weakref.ref(x.untyped_storage())

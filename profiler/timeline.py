@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from remat.allocator import AllocatorTimeline
-from remat.meter import MemoryMeter, MeterMark
+from remat.measurement.allocator import AllocatorTimeline
+from remat.measurement.meter import MemoryMeter, MeterMark
 
 __all__ = ["StorageRecord", "TimelineMeter"]
 
@@ -41,7 +41,7 @@ class TimelineMeter(MemoryMeter):
     before mark A that are alive at mark B" can be computed after the fact.
 
     With ``allocator=True`` the allocator's view is recorded at the same marks
-    (:class:`~remat.allocator.AllocatorTimeline`), and :meth:`rise` takes the higher
+    (:class:`~remat.measurement.allocator.AllocatorTimeline`), and :meth:`rise` takes the higher
     of the two views of a transient peak: the allocator also sees kernels' scratch
     buffers, the storages the dispatch level sees tell who holds what.
     """

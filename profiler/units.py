@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from remat.errors import NoUnitsError, ProfileError
+from remat.core.errors import NoUnitsError, ProfileError
 from remat.profiler.blocks import block_names
 
 __all__ = ["UnitsSpec", "discover_units", "longest_list", "no_units_error"]

@@ -2,26 +2,33 @@
 
 from importlib import import_module
 
-from remat.errors import (
+from remat.core.budget import of_activations, of_peak
+from remat.core.errors import (
+    ArgumentError,
     BudgetError,
     InfeasibleBudgetError,
     PlanMismatchError,
     RematError,
     RematWarning,
 )
-from remat.solver.budget import of_activations, of_peak
-from remat.solver.loop import Loop
-from remat.solver.plan import Plan
-from remat.solver.profile import Option, Profile
+from remat.core.loop import Loop
+from remat.core.option import Option
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 from remat.solver.simulate import simulate
-from remat.validate import ArgumentError
 
 # Loaded on first use: `import remat` imports neither torch nor ortools, pandas, matplotlib.
+# name -> (module, attribute)
 _LAZY = {
-    "profile": "remat.profiler", "measure": "remat.profiler",
-    "apply_plan": "remat.api", "remove_plan": "remat.runtime",
-    "solve": "remat.api", "pareto": "remat.api", "plot_pareto": "remat.plot",
-    "compile_planned": "remat.compiled", "estimate": "remat.preflight",
+    "profile": ("remat.api", "profile"),
+    "measure": ("remat.measurement.step", "measure_step"),
+    "apply_plan": ("remat.api", "apply_plan"),
+    "remove_plan": ("remat.runtime", "remove_plan"),
+    "solve": ("remat.api", "solve"),
+    "pareto": ("remat.api", "pareto"),
+    "plot_pareto": ("remat.plot", "plot_pareto"),
+    "compile_planned": ("remat.compiled", "compile_planned"),
+    "estimate": ("remat.preflight", "estimate"),
 }
 __all__ = ["ArgumentError", "BudgetError", "InfeasibleBudgetError", "Loop", "Option", "Plan",
            "PlanMismatchError", "Profile", "RematError", "RematWarning", "of_activations",
@@ -31,5 +38,6 @@ __all__ = ["ArgumentError", "BudgetError", "InfeasibleBudgetError", "Loop", "Opt
 
 def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
     if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
+        module, attribute = _LAZY[name]
+        return getattr(import_module(module), attribute)
     raise AttributeError(f"module 'remat' has no attribute {name!r}")

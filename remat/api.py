@@ -9,10 +9,10 @@ are accepted. A percentage is a share of the **activation memory**: ``"60%"`` is
 the persistent bytes (parameters, buffers, optimizer state, gradients) plus 60% of
 what the no-checkpoint peak holds above them; ``"60% of peak"``
 (:func:`remat.of_peak`) is 60% of the whole no-checkpoint peak
-(:mod:`remat.solver.budget`).
+(:mod:`remat.core.budget`).
 
-Every entry point checks its arguments before it profiles (:mod:`remat.validate`):
-a wrong argument is a :class:`~remat.errors.RematError` that names it and the fix,
+Every entry point checks its arguments before it profiles (:mod:`remat.core.checks`):
+a wrong argument is a :class:`~remat.core.errors.RematError` that names it and the fix,
 and costs no profiling time.
 """
 
@@ -22,27 +22,49 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from remat.errors import RematError
-from remat.solver.budget import of_activations, persistent_bytes, resolve_budget
-from remat.solver.loop import Loop
-from remat.solver.params import check_count
-from remat.solver.plan import Plan
-from remat.solver.profile import Profile
-from remat.validate import (
-    check_budget_arg,
-    check_inputs,
-    check_method,
-    check_model,
-    check_plan,
-)
+from remat.core.budget import of_activations
+from remat.core.checks import check_budget_arg, check_count, check_inputs, check_model, check_plan
+from remat.core.errors import RematError
+from remat.core.loop import Loop
+from remat.core.plan import Plan
+from remat.core.profile import Profile
+from remat.solver.resolve import resolve_budget
+from remat.solver.solve import check_method
 
 if TYPE_CHECKING:
     import pandas as pd
     from torch import nn
 
-__all__ = ["activation_budget", "apply_plan", "pareto", "solve"]
+__all__ = ["activation_budget", "apply_plan", "pareto", "profile", "solve"]
 
 log = logging.getLogger("remat")
+
+
+def profile(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    granularity: str = "blocks",
+    **settings: Any,
+) -> Profile:
+    """Measure one training step of ``model`` on ``sample_batch``, unit by unit
+    (:func:`remat.profiler.profile`, whose keyword arguments it takes: ``loss_fn``,
+    ``units``, ``optimizer``, ``options``, ``loop``, ``warmup``, ``repeats``...).
+
+    ``granularity``: ``"blocks"`` (default) plans the units as found, ``"children"``
+    each unit's children instead, and ``"auto"``, where the units are few (under 8) or
+    one holds half of their memory, profiles both levels and returns the one whose
+    optimal plans are faster over a range of budgets (:mod:`remat.granularity`; it
+    costs a second profile).
+    """
+    from remat.profiler import profile_levels
+
+    blocks, children = profile_levels(model, sample_batch, granularity=granularity, **settings)
+    if children is None:
+        return blocks
+    from remat.granularity import pick_level
+
+    return pick_level(blocks, children)
 
 
 def _as_profile(
@@ -59,18 +81,8 @@ def _as_profile(
     """``model_or_profile`` itself, or the profile of the model on ``sample_batch``."""
     if isinstance(model_or_profile, Profile):
         return model_or_profile
-    from remat.profiler import profile
-
-    return profile(
-        model_or_profile,
-        sample_batch,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        units=units,
-        options=options,
-        loop=loop,
-        granularity=granularity,
-    )
+    return profile(model_or_profile, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
+                   units=units, options=options, loop=loop, granularity=granularity)
 
 
 def solve(
@@ -153,7 +165,7 @@ def solve(
     # Everything that can be wrong without the profile fails before profiling starts.
     check_inputs("solve()", model_or_profile, sample_batch, loss_fn=loss_fn,
                   optimizer=optimizer, loop=loop)
-    check_budget_arg(memory_budget)
+    budget = check_budget_arg(memory_budget)  # read once, passed on
     if compiled:
         check_method(method, {})
     else:
@@ -180,19 +192,19 @@ def solve(
     if compiled:
         from remat.compiled import solve_compiled
 
-        return solve_compiled(model_or_profile, sample_batch, prof, memory_budget, method=method,
+        return solve_compiled(model_or_profile, sample_batch, prof, budget, method=method,
                               loss_fn=loss_fn, optimizer=optimizer,
                               compile_options=compile_options, **solver_params)
     from remat.solver.solve import solve_profile
 
-    plan = solve_profile(prof, memory_budget, method=method, **solver_params)
+    plan = solve_profile(prof, budget, method=method, **solver_params)
     if verify and plan.budget_bytes is not None and not isinstance(model_or_profile, Profile):
         from remat.verify import measure_plan, verified
 
         model = model_or_profile
         plan = verified(
             plan, plan.budget_bytes,
-            lambda budget: solve_profile(prof, budget, method=method, **solver_params)
+            lambda target: solve_profile(prof, target, method=method, **solver_params)
             .with_(budget_bytes=plan.budget_bytes),
             lambda candidate: measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
                                            optimizer=optimizer, loop=prof.loop),
@@ -200,10 +212,10 @@ def solve(
         )
     log.info(
         "remat: %s plan (%s), predicted peak %d B, step %.1f ms",
-        plan.algorithm,
+        plan.record.algorithm,
         plan.summary(),
-        plan.predicted_peak_bytes or 0,
-        plan.predicted_time_ms or 0.0,
+        plan.record.predicted_peak_bytes or 0,
+        plan.record.predicted_time_ms or 0.0,
     )
     return plan
 
@@ -256,12 +268,12 @@ def activation_budget(profile: Profile, fraction: float) -> int:
     The same as the budget ``f"{100 * fraction}%"`` (or :func:`remat.of_activations`):
     ``persistent + fraction * (peak_without_checkpointing - persistent)``, where
     persistent is the parameters, buffers, optimizer state and gradients
-    (:func:`remat.solver.budget.persistent_bytes`).
+    (:attr:`remat.Profile.persistent_bytes`).
     """
     if not 0.0 <= fraction <= 1.0:
         raise RematError(f"fraction must be within [0, 1], got {fraction}")
     if fraction == 0:
-        return persistent_bytes(profile)
+        return profile.persistent_bytes
     return resolve_budget(of_activations(fraction), profile)
 
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from remat.bytesize import mib
-from remat.errors import RematError
+from remat.core.bytesize import mib
+from remat.core.errors import RematError
 from remat.report import print_table
 
 DEFAULT_MODEL = "gpt"
@@ -127,7 +127,7 @@ def _optimizer(name: str | None, model: Any) -> Any:
 
 
 def _loop(args: argparse.Namespace) -> Any:
-    from remat.solver.loop import Loop
+    from remat.core.loop import Loop
 
     return Loop(accumulation_steps=args.accumulation_steps, keep_output=not args.drop_output,
                 autocast=args.autocast, grad_scaler=args.autocast == "float16")
@@ -141,9 +141,9 @@ def _budget(text: str) -> int | str:
 # --------------------------------------------------------------------------- checks first
 def _preflight(args: argparse.Namespace) -> None:
     """Everything that can be wrong without a profile, checked before profiling starts."""
+    from remat.core.checks import check_budget_arg, check_count
     from remat.output import check_figure_format, check_writable
-    from remat.solver.params import check_count
-    from remat.validate import check_budget_arg, check_method
+    from remat.solver.solve import check_method
 
     has_profile = bool(getattr(args, "profile", None))
     if has_profile and getattr(args, "compiled", False):
@@ -164,8 +164,7 @@ def _preflight(args: argparse.Namespace) -> None:
         raise RematError("solve --measure applies the plan to the model and runs a step: it "
                          "needs --model, not --profile")
     if getattr(args, "budget", None) is not None:
-        args.budget = _budget(args.budget)
-        check_budget_arg(args.budget)
+        args.budget = check_budget_arg(_budget(args.budget))  # read once, passed on
     if getattr(args, "method", None) is not None:
         check_method(args.method, {})
     if getattr(args, "points", None) is not None:
@@ -223,16 +222,17 @@ def cmd_solve(args: argparse.Namespace) -> None:
     else:
         plan = remat.solve(profile, memory_budget=args.budget, method=args.method)
     print_table(_plan_rows(profile, plan))
+    record = plan.record
     print(
-        f"\n{label}: {plan.algorithm} ({plan.status}, {plan.solve_ms:.0f} ms to solve): "
-        f"{plan.summary()}\npredicted peak {mib(plan.predicted_peak_bytes)} MiB "
-        f"(budget {mib(plan.budget_bytes)} MiB), predicted step {plan.predicted_time_ms:.1f} ms"
+        f"\n{label}: {record.algorithm} ({record.status}, {record.solve_ms:.0f} ms to solve): "
+        f"{plan.summary()}\npredicted peak {mib(record.predicted_peak_bytes)} MiB "
+        f"(budget {mib(plan.budget_bytes)} MiB), predicted step {record.predicted_time_ms:.1f} ms"
     )
-    if plan.compiled_peak_bytes is not None:
-        print(f"compiled (torch.compile) peak {mib(plan.compiled_peak_bytes)} MiB, step "
-              f"{plan.compiled_time_ms:.1f} ms, measured with inductor's "
-              f"activation_memory_budget={plan.activation_memory_budget:g} (compile with "
-              "remat.compile_planned)")
+    if plan.compiled is not None:
+        time_ms = "-" if plan.compiled.time_ms is None else f"{plan.compiled.time_ms:.1f}"
+        print(f"compiled (torch.compile) peak {mib(plan.compiled.peak_bytes)} MiB, step "
+              f"{time_ms} ms, measured with inductor's activation_memory_budget="
+              f"{plan.compiled.activation_memory_budget:g} (compile with remat.compile_planned)")
     if args.measure and work is not None:
         m = _measure_plan(work, plan)
         print(f"measured  peak {mib(m.worst_peak_bytes)} MiB, measured step {m.time_ms:.1f} ms")

@@ -12,7 +12,7 @@ remat's plan and inductor's ``activation_memory_budget``. The plans are the
 optimal plans along the eager frontier (:func:`frontier_plans`), fastest first.
 For each partitioner budget (default 1.0, 0.7, 0.4, in that order), a binary
 search compiles candidates and measures their training step's peak with the
-allocator (:mod:`remat.allocator`: it sees compiled code, which the
+allocator (:mod:`remat.measurement.allocator`: it sees compiled code, which the
 dispatch-level meter cannot), for the fastest plan that fits; the fitting
 candidates are also timed. A lower partitioner budget only searches the plans
 faster than the best found so far (more recomputation by inductor is worth it
@@ -25,30 +25,25 @@ labelled ``feasible``, not ``optimal``; the figures it carries are measured.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.allocator import allocator_peak
-from remat.errors import InfeasibleBudgetError, RematError
-from remat.profiler.loop import Carry, StepRunner
-from remat.profiler.state import clear_grads, training_session
-from remat.profiler.step import LossFn, fixed_bytes, grad_bytes, model_device
-from remat.profiler.timing import Stopwatch
+from remat.core.errors import InfeasibleBudgetError, RematError
+from remat.core.loop import Loop
+from remat.core.plan import CompiledChoice, Plan, Status
+from remat.core.profile import Profile
+from remat.measurement.runner import LossFn
+from remat.measurement.step import measure_step
 from remat.runtime import apply_plan, planned, remove_plan
-from remat.solver.budget import resolve_budget
-from remat.solver.loop import Loop
 from remat.solver.pareto import frontier_plans
-from remat.solver.plan import Plan, Status
-from remat.solver.profile import Profile
+from remat.solver.resolve import resolve_budget
 from remat.solver.solve import solve_profile
 
 __all__ = ["CompiledStep", "compile_planned", "measure_compiled", "solve_compiled"]
@@ -103,7 +98,7 @@ def compile_planned(model: nn.Module, plan: Plan, **compile_options: Any) -> nn.
     """
     if planned(model) != plan:  # none applied, or another one: this plan replaces it
         apply_plan(model, plan)
-    fraction = plan.activation_memory_budget if plan.activation_memory_budget is not None else 1.0
+    fraction = plan.compiled.activation_memory_budget if plan.compiled is not None else 1.0
     return _PlannedCompiled(model, fraction, compile_options)
 
 
@@ -124,50 +119,33 @@ def measure_compiled(
 
     The plan (``None``: the model as it is) is applied, the model compiled with
     ``torch.compile(model, **compile_options)`` under ``activation_memory_budget``,
-    and one step of the loop run to compile it (with an optimizer, that step also
-    creates its state). Two more steps are measured, from nothing carried, so the
-    second sees what the first carries into it (as :func:`remat.measure` does):
-    parameters, buffers, optimizer state and the gradients the loop keeps, plus the
-    allocator's peak above them. When the peak is at most ``time_if_within`` bytes,
-    ``repeats`` more steps are timed (median). Dynamo's caches are reset before and
-    after (``torch._dynamo.reset()``), so each plan compiles from nothing. The model
-    is left as it was: plan removed, and parameters, buffers, ``.grad``, modes, RNG
-    and optimizer state restored.
+    and its step measured by :func:`remat.measurement.step.measure_step` with the allocator
+    only (the dispatch-level meter would run compiled code eagerly): one step compiles
+    it (with an optimizer, that step also creates its state), two more are measured,
+    and the peak is their rise plus what the step holds throughout (parameters,
+    buffers, optimizer state, the batch, the gradients the loop keeps). When the peak
+    is at most ``time_if_within`` bytes, ``repeats`` more steps are timed (median).
+    Dynamo's caches are reset before and after (``torch._dynamo.reset()``), so each
+    plan compiles from nothing. The model is left as it was: plan removed, and
+    parameters, buffers, ``.grad``, modes, RNG and optimizer state restored.
     """
-    device = model_device(model)
-    watch = Stopwatch(device)
     torch._dynamo.reset()
     try:
-        with training_session(model, optimizer) as state:
+        if plan is not None:
+            apply_plan(model, plan)
+        try:
+            compiled = torch.compile(model, **dict(compile_options or {}))
+            with partitioner_budget(activation_memory_budget):
+                step = measure_step(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
+                                    loop=loop, warmup=1, repeats=repeats, meter=False,
+                                    call=compiled, time_within=time_if_within)
+        finally:
             if plan is not None:
-                apply_plan(model, plan)
-            try:
-                compiled = torch.compile(model, **dict(compile_options or {}))
-                runner = StepRunner(compiled, sample_batch, loss_fn, optimizer,
-                                    loop if loop is not None else Loop(), device.type)
-
-                def steps(count: int) -> None:
-                    carry = Carry()
-                    for _ in range(count):
-                        runner.optimizer_step_cycle(carry)
-                        state.rng.restore()
-                        state.restore_buffers()
-
-                with partitioner_budget(activation_memory_budget):
-                    steps(1)  # compiles
-                    fixed = fixed_bytes(model, optimizer) + grad_bytes(model)
-                    peak = fixed + allocator_peak(lambda: steps(2), device_type=device.type)
-                    times = []
-                    if time_if_within is not None and peak <= time_if_within:
-                        for _ in range(repeats):
-                            times.append(watch.time(lambda: steps(1))[1])
-                clear_grads(state.params)
-            finally:
-                if plan is not None:
-                    remove_plan(model)
+                remove_plan(model)
     finally:
         torch._dynamo.reset()
-    return CompiledStep(peak, statistics.median(times) if times else None)
+    assert step.allocator_peak_bytes is not None  # measured with the allocator
+    return CompiledStep(step.allocator_peak_bytes, step.time_ms)
 
 
 Measure = Callable[[Plan, float, int], CompiledStep]
@@ -266,15 +244,11 @@ def solve_compiled(
     log.info("remat: compiled search measured %d configurations in %.1f s: %s with "
              "activation_memory_budget %g, peak %d B, step %s ms", len(steps), seconds,
              chosen.summary(), fraction, step.peak_bytes, step.time_ms)
-    return dataclasses.replace(
-        chosen,
-        algorithm=f"{chosen.algorithm}+compiled",
-        status=Status.FEASIBLE,
+    return chosen.with_(
         budget_bytes=budget,
-        solve_ms=seconds * 1e3,
-        compiled_peak_bytes=step.peak_bytes,
-        compiled_time_ms=step.time_ms,
-        activation_memory_budget=fraction,
+        record=replace(chosen.record, algorithm=f"{chosen.record.algorithm}+compiled",
+                       status=Status.FEASIBLE, solve_ms=seconds * 1e3),
+        compiled=CompiledChoice(step.peak_bytes, fraction, step.time_ms),
     )
 
 
@@ -327,7 +301,7 @@ def _eager_choice(candidates: list[Plan], profile: Profile, budget: int, method:
     except InfeasibleBudgetError:
         return len(candidates) - 1
     for i, c in enumerate(candidates):
-        if c.predicted_time_ms is not None and plan.predicted_time_ms is not None \
-                and c.predicted_time_ms >= plan.predicted_time_ms:
+        if c.record.predicted_time_ms is not None and plan.record.predicted_time_ms is not None \
+                and c.record.predicted_time_ms >= plan.record.predicted_time_ms:
             return i
     return len(candidates) - 1

@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 
 __all__ = ["LOSSES", "LossSpecError", "loss_from_spec", "prediction"]
 

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 
 __all__ = ["OutputError", "check_figure_format", "check_writable", "write_atomic"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 from remat.plot_labels import Label, place_labels
 
 if TYPE_CHECKING:

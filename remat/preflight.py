@@ -14,14 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from remat.bytesize import format_bytes
-from remat.errors import InfeasibleBudgetError
-from remat.solver.budget import persistent_bytes
-from remat.solver.loop import Loop
-from remat.solver.plan import Plan
-from remat.solver.profile import Profile
+from remat.core.bytesize import format_bytes
+from remat.core.checks import check_budget_arg, check_inputs
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.loop import Loop
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 from remat.solver.simulate import Simulation, simulate
-from remat.validate import check_budget_arg, check_inputs
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -216,12 +215,12 @@ def estimate(
 def estimate_profile(profile: Profile, memory_budget: int | str | None = None) -> Estimate:
     """:func:`estimate` of a profile (no torch needed)."""
     from remat.solver.min_peak import min_peak_plan
+    from remat.solver.resolve import no_checkpoint
 
-    keep = Plan.keep_all([u.name for u in profile.units])
     smallest_plan = min_peak_plan(profile)
-    no_ckpt = Peak.of(simulate(profile, keep), keep)
+    no_ckpt = Peak.of(no_checkpoint(profile), Plan.keep_all([u.name for u in profile.units]))
     smallest = Peak.of(simulate(profile, smallest_plan), smallest_plan)
-    persistent = persistent_bytes(profile)
+    persistent = profile.persistent_bytes
     verdict = None
     if memory_budget is not None:
         verdict = _verdict(profile, memory_budget, no_ckpt)
@@ -243,7 +242,7 @@ def estimate_profile(profile: Profile, memory_budget: int | str | None = None) -
 
 
 def _verdict(profile: Profile, memory_budget: int | str, no_ckpt: Peak) -> Verdict:
-    from remat.solver.budget import resolve_budget
+    from remat.solver.resolve import resolve_budget
     from remat.solver.solve import solve_profile
 
     budget = resolve_budget(memory_budget, profile)
@@ -253,5 +252,5 @@ def _verdict(profile: Profile, memory_budget: int | str, no_ckpt: Peak) -> Verdi
         plan = solve_profile(profile, budget)
     except InfeasibleBudgetError:
         return Verdict(budget, "does not fit")
-    return Verdict(budget, "fits with checkpointing", plan.summary(), plan.predicted_time_ms,
-                   plan.predicted_peak_bytes)
+    return Verdict(budget, "fits with checkpointing", plan.summary(),
+                   plan.record.predicted_time_ms, plan.record.predicted_peak_bytes)

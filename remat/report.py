@@ -1,6 +1,6 @@
 """Plain-text tables for the command line and the demo: columns padded to line up.
 
-Cells are formatted by the caller (bytes with :func:`remat.bytesize.mib`); this
+Cells are formatted by the caller (bytes with :func:`remat.core.bytesize.mib`); this
 module only lays them out.
 """
 

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.bytesize import format_bytes
-from remat.errors import InfeasibleBudgetError, RematError
-from remat.profiler.loop import LossFn
-from remat.profiler.step import StepMeasurement, measure_step
+from remat.core.bytesize import format_bytes
+from remat.core.errors import InfeasibleBudgetError, RematError
+from remat.core.loop import Loop
+from remat.core.plan import Plan, Verification
+from remat.measurement.runner import LossFn
+from remat.measurement.step import StepMeasurement, measure_step
 from remat.runtime import apply_plan, remove_plan
-from remat.solver.loop import Loop
-from remat.solver.plan import Plan
 
 __all__ = ["BudgetNotMetError", "measure_plan", "verified"]
 
@@ -85,18 +85,18 @@ def verified(
     for round_ in range(1, rounds + 1):
         measured = measure(plan)
         peak = measured.worst_peak_bytes
-        plan = plan.with_(measured_peak_bytes=peak, measured_time_ms=measured.time_ms,
-                          verify_rounds=round_, solved_budget_bytes=target)
+        plan = plan.with_(verification=Verification(round_, target, peak, measured.time_ms))
         if peak <= budget_bytes:
             log.info("remat: plan verified in round %d: measured %s, predicted %s, budget %s",
-                     round_, format_bytes(peak), format_bytes(plan.predicted_peak_bytes or 0),
+                     round_, format_bytes(peak),
+                     format_bytes(plan.record.predicted_peak_bytes or 0),
                      format_bytes(budget_bytes))
             return plan
         excess = peak - budget_bytes
         target -= excess
         log.warning("remat: round %d's plan measured %s, %s over the budget (predicted %s); "
                     "solving again for %s", round_, format_bytes(peak), format_bytes(excess),
-                    format_bytes(plan.predicted_peak_bytes or 0), format_bytes(target))
+                    format_bytes(plan.record.predicted_peak_bytes or 0), format_bytes(target))
         try:
             plan = solve_at(target)
         except InfeasibleBudgetError as err:

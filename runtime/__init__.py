@@ -4,7 +4,7 @@
 undoes it; ``planned(model)`` is the plan in force.
 """
 
+from remat.execute.options import forward_with_option
 from remat.runtime.apply import apply_plan, planned, remove_plan
-from remat.runtime.options import forward_with_option
 
 __all__ = ["apply_plan", "forward_with_option", "planned", "remove_plan"]

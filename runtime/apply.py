@@ -28,8 +28,13 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as _ckpt
 
-from remat.errors import PlanMismatchError, RematError, RematWarning
-from remat.runtime.boundary import boundary_input
+from remat.core.errors import PlanMismatchError, RematError, RematWarning
+from remat.core.option import Option
+from remat.core.plan import Plan, PlanTarget
+from remat.execute.boundary import boundary_input
+from remat.execute.options import forward_with_option, option_is_active, tracking_batchnorms
+from remat.execute.planned import STATE_ATTR, unwrap
+from remat.execute.structure import describe_mismatch, unit_signature
 from remat.runtime.guard import PlanGuard, positional_names, replaced_units
 from remat.runtime.inplace import (
     InputWritten,
@@ -38,17 +43,11 @@ from remat.runtime.inplace import (
     tensor_arguments,
     written_arguments,
 )
-from remat.runtime.options import forward_with_option, option_is_active, tracking_batchnorms
 from remat.runtime.segments import SegmentRunner
-from remat.runtime.structure import describe_mismatch, unit_signature
-from remat.solver.plan import Plan
-from remat.solver.profile import Option
 
 __all__ = ["apply_plan", "planned", "remove_plan"]
 
 logger = logging.getLogger(__name__)
-
-STATE_ATTR = "_remat_state"
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -332,7 +331,7 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False) -> Mo
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan() needs a remat Plan, got {type(plan).__name__}")
-    target = _unwrap(model)
+    target = unwrap(model)
     modules = _validate(target, plan)
     if STATE_ATTR in target.__dict__:
         logger.info("remat: replacing the plan already applied to %s", type(target).__name__)
@@ -363,7 +362,7 @@ def remove_plan(model: ModuleT) -> ModuleT:
     Afterwards the model behaves bitwise as if it had never been planned. Removing
     from a model without a plan is a no-op.
     """
-    target = _unwrap(model)
+    target = unwrap(model)
     state = target.__dict__.get(STATE_ATTR)
     if state is None:
         return model
@@ -400,7 +399,7 @@ def planned(model: nn.Module) -> Plan | None:
     next training forward raises ``PlanMismatchError`` until the plan is applied
     again); ``None`` when no planned unit is left.
     """
-    target = _unwrap(model)
+    target = unwrap(model)
     state = target.__dict__.get(STATE_ATTR)
     if state is None:
         return None
@@ -416,38 +415,21 @@ def _without_units(plan: Plan, removed: set[int]) -> Plan | None:
     new_index = {old: new for new, old in enumerate(kept)}
     segments = tuple((new_index[a], new_index[b]) for a, b in plan.segments
                      if not any(a <= i <= b for i in removed))
+    target = plan.target
     return Plan(
         tuple(plan.unit_names[i] for i in kept),
         tuple(plan.options[i] for i in kept),
         segments,
-        unit_types=None if plan.unit_types is None else tuple(plan.unit_types[i] for i in kept),
-        unit_signatures=(None if plan.unit_signatures is None
-                         else tuple(plan.unit_signatures[i] for i in kept)),
-        device=plan.device,
+        target=PlanTarget(
+            unit_types=None if target.unit_types is None else tuple(target.unit_types[i]
+                                                                     for i in kept),
+            unit_signatures=(None if target.unit_signatures is None
+                             else tuple(target.unit_signatures[i] for i in kept)),
+            device=target.device),
     )
 
 
 # --------------------------------------------------------------------------- checks
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DistributedDataParallel / torch.compile wrappers."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    while True:
-        if isinstance(model, nn.DataParallel):
-            raise RematError(
-                "nn.DataParallel is not supported (its replicas would share the planned "
-                "forwards); use DistributedDataParallel, or apply the plan without it"
-            )
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(
-            getattr(model, "_orig_mod", None), nn.Module
-        ):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def _validate(model: nn.Module, plan: Plan) -> list[nn.Module]:
     """The plan's unit modules, after checking that the plan fits the model."""
     modules = _find_units(model, plan)
@@ -506,15 +488,15 @@ def _check_structure(plan: Plan, modules: list[nn.Module]) -> None:
 
 
 def _check_types(plan: Plan, modules: list[nn.Module]) -> None:
-    if plan.unit_types is None:
+    if plan.target.unit_types is None:
         return
-    if len(plan.unit_types) != plan.n:
+    if len(plan.target.unit_types) != plan.n:
         raise PlanMismatchError(
-            f"the plan has {plan.n} units but {len(plan.unit_types)} unit types"
+            f"the plan has {plan.n} units but {len(plan.target.unit_types)} unit types"
         )
     wrong = [
         f"{name!r} is a {type(m).__name__} in the model but a {expected} in the plan"
-        for name, m, expected in zip(plan.unit_names, modules, plan.unit_types)
+        for name, m, expected in zip(plan.unit_names, modules, plan.target.unit_types)
         if type(m).__name__ != expected
     ]
     if wrong:
@@ -527,11 +509,11 @@ def _check_types(plan: Plan, modules: list[nn.Module]) -> None:
 
 def _check_signatures(plan: Plan, modules: list[nn.Module]) -> None:
     """A solved plan's units have the parameter shapes it was profiled with."""
-    if plan.unit_signatures is None:
+    if plan.target.unit_signatures is None:
         return  # a manual plan, or one from a profile that did not record them
     wrong = [
         (name, m, expected)
-        for name, m, expected in zip(plan.unit_names, modules, plan.unit_signatures)
+        for name, m, expected in zip(plan.unit_names, modules, plan.target.unit_signatures)
         if unit_signature(m) != expected
     ]
     if wrong:
@@ -558,9 +540,9 @@ def _check_options(plan: Plan) -> None:
 
 
 def _check_device(model: nn.Module, plan: Plan) -> None:
-    if plan.device is None:
+    if plan.target.device is None:
         return
-    expected = torch.device(plan.device).type
+    expected = torch.device(plan.target.device).type
     tensors = list(model.parameters()) or list(model.buffers())
     found = sorted({t.device.type for t in tensors})
     if found and found != [expected]:

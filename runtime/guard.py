@@ -9,8 +9,8 @@ backward, so neither matters; and not while ``torch.compile`` traces):
 * **larger inputs**: each tensor argument's shape is compared, dimension by
   dimension, with the shape recorded for that argument (``Plan.input_shapes``).
   Larger in any dimension (a bigger batch, a longer sequence) warns once per new
-  shape (:class:`~remat.errors.RematWarning`) with the predicted peak scaled to it,
-  or with ``strict_shapes`` raises :class:`~remat.errors.PlanMismatchError`.
+  shape (:class:`~remat.core.errors.RematWarning`) with the predicted peak scaled to it,
+  or with ``strict_shapes`` raises :class:`~remat.core.errors.PlanMismatchError`.
   Smaller inputs (the short last batch, dynamic padding) pass silently. The scaled
   figure (:func:`scaled_peak`) grows the plan's activation peak linearly with the
   elements of the smallest shape that covers both the recorded and the new one,
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.bytesize import format_bytes
-from remat.errors import PlanMismatchError, RematWarning
-from remat.solver.plan import Plan
+from remat.core.bytesize import format_bytes
+from remat.core.errors import PlanMismatchError, RematWarning
+from remat.core.plan import Plan
 
 __all__ = ["PlanGuard", "call_shapes", "replaced_units", "scaled_peak"]
 
@@ -98,12 +98,13 @@ def scaled_peak(plan: Plan, growth: float) -> int | None:
     grow linearly with the input. Without those figures (a plan from an older
     remat), the predicted peak less ``persistent_bytes`` is scaled instead.
     """
-    peak = plan.predicted_peak_bytes
+    record = plan.record
+    peak = record.predicted_peak_bytes
     if peak is None:
         return None
-    fixed = min(plan.persistent_bytes or 0, peak)
-    if plan.persistent_bytes is not None and plan.activation_peak_bytes is not None:
-        return max(peak, int(plan.persistent_bytes + growth * plan.activation_peak_bytes))
+    fixed = min(record.persistent_bytes or 0, peak)
+    if record.persistent_bytes is not None and record.activation_peak_bytes is not None:
+        return max(peak, int(record.persistent_bytes + growth * record.activation_peak_bytes))
     return int(fixed + (peak - fixed) * growth)
 
 
@@ -133,7 +134,7 @@ class PlanGuard:
         self.modules = modules
         self.positional = positional
         self.strict_shapes = strict_shapes
-        self.recorded = dict(plan.input_shapes or ())
+        self.recorded = dict(plan.target.input_shapes or ())
         self.warned: set[tuple[tuple[str, Shape], ...]] = set()
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -178,7 +179,7 @@ class PlanGuard:
         budget = self.plan.budget_bytes
         figures = ""
         if estimate is not None:
-            predicted = format_bytes(self.plan.predicted_peak_bytes or 0)
+            predicted = format_bytes(self.plan.record.predicted_peak_bytes or 0)
             figures = (f"; its predicted peak of {predicted}"
                        f" grows to at most about {format_bytes(estimate)} (the persistent bytes "
                        f"plus the activation peak scaled linearly "

@@ -20,7 +20,7 @@ while the forward runs:
 * the model's code between two units of a segment must not save tensors for
   backward (those saves would land in the region but would not be replayed).
 
-Either violation raises :class:`~remat.errors.RematError`, and the region is
+Either violation raises :class:`~remat.core.errors.RematError`, and the region is
 closed so no saved-tensor hooks are left behind.
 
 Under ``torch.compile`` the generator cannot be traced (its saved-tensor hooks
@@ -45,13 +45,13 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as _ckpt
 
-from remat.errors import RematError
-from remat.runtime.arguments import CallArguments
-from remat.runtime.boundary import Slot, boundary_input, boundary_output
-from remat.runtime.kv_cache import drop_kv_cache
-from remat.runtime.options import autocast_without_cache, checkpoint_context_fn
+from remat.core.errors import RematError
+from remat.core.option import Option
+from remat.execute.arguments import CallArguments
+from remat.execute.boundary import Slot, boundary_input, boundary_output
+from remat.execute.kv_cache import drop_kv_cache
+from remat.execute.options import autocast_without_cache, checkpoint_context_fn
 from remat.runtime.torch_checkpoint import checkpoint_generator
-from remat.solver.profile import Option
 
 __all__ = ["SegmentRunner"]
 

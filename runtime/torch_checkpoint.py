@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils import checkpoint as _ckpt
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 
 __all__ = ["CheckpointSeamError", "checkpoint_generator", "generator_form"]
 

@@ -1,5 +1,10 @@
 """Pure optimisation over a measured profile: no torch import in this package.
 
+It takes the contracts of :mod:`remat.core` (a :class:`~remat.core.profile.Profile`
+in, a :class:`~remat.core.plan.Plan` out) and exports only what it computes: the
+algorithms, ``simulate()`` (the specification of peak and time), the event model, the
+frontier and the two ends of a profile's range.
+
 Importing it is cheap: the CP-SAT solver (ortools) and the frontier (pandas) load
 on first use of their names (PEP 562), and ``method="ilp"`` loads ortools when it
 is first solved with.
@@ -15,13 +20,10 @@ from remat.solver.baselines import (
     keep_all_plan,
     uniform_plan,
 )
-from remat.solver.budget import parse_budget
 from remat.solver.dp import solve_dp
 from remat.solver.events import StepModel, step_model
 from remat.solver.min_peak import min_peak_bytes, min_peak_plan
-from remat.solver.params import ParameterError, UnknownParameterError
-from remat.solver.plan import Plan, Status
-from remat.solver.profile import Option, OptionCost, OutsideCost, Profile, UnitProfile
+from remat.solver.resolve import no_checkpoint_peak_bytes, resolve_budget
 from remat.solver.simulate import PEAK_PARTS, Simulation, simulate
 from remat.solver.solve import ALGORITHMS, UnknownMethodError, solve_profile
 
@@ -40,18 +42,9 @@ _LAZY = {
 __all__ = [
     "ALGORITHMS",
     "PEAK_PARTS",
-    "Option",
-    "OptionCost",
-    "OutsideCost",
-    "ParameterError",
-    "Plan",
-    "Profile",
     "Simulation",
-    "Status",
     "StepModel",
-    "UnitProfile",
     "UnknownMethodError",
-    "UnknownParameterError",
     "checkpoint_all_plan",
     "chen_greedy_plan",
     "chen_plan",
@@ -60,8 +53,9 @@ __all__ = [
     "min_feasible_peak",
     "min_peak_bytes",
     "min_peak_plan",
-    "parse_budget",
+    "no_checkpoint_peak_bytes",
     "pareto_frontier",
+    "resolve_budget",
     "simulate",
     "solve_dp",
     "solve_ilp",

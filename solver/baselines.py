@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.errors import InfeasibleBudgetError
+from remat.core.checks import check_budget_bytes, check_count
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.option import Option
+from remat.core.plan import Plan, Status
+from remat.core.profile import Profile
 from remat.solver.events import StepModel, plan_peak_bytes, step_model
 from remat.solver.infeasible import infeasible_budget_error
 from remat.solver.min_peak import min_peak_bytes
-from remat.solver.params import check_budget_bytes, check_count
-from remat.solver.plan import Plan, Status
-from remat.solver.profile import Option, Profile
 from remat.solver.stamp import stamp_plan
 
 __all__ = [
@@ -169,7 +170,7 @@ def _pick(
     plan = stamp_plan(profile, _as_plan(profile, chosen), algorithm=algorithm,
                       status=Status.FEASIBLE, budget=budget, start=start)
     log.debug("%s: chose %s (peak %d B, %.3f ms)", algorithm, chosen.label,
-              plan.predicted_peak_bytes, plan.predicted_time_ms)
+              plan.record.predicted_peak_bytes, plan.record.predicted_time_ms)
     return plan
 
 

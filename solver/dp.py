@@ -40,11 +40,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from remat.core.checks import check_budget_bytes
+from remat.core.option import OPTION_ORDER, Option
+from remat.core.plan import Plan, Status
+from remat.core.profile import Profile
 from remat.solver.events import StepModel, step_model
 from remat.solver.infeasible import infeasible_budget_error
-from remat.solver.params import check_budget_bytes
-from remat.solver.plan import Plan, Status
-from remat.solver.profile import OPTION_ORDER, Option, Profile
 from remat.solver.stamp import keep_all_when_it_fits, stamp_plan
 
 __all__ = ["BEAM_WIDTH", "solve_dp"]

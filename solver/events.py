@@ -56,14 +56,14 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from remat.solver.profile import OPTION_ORDER, Option, Profile
+from remat.core.option import OPTION_ORDER, Option
+from remat.core.profile import Profile
 
 __all__ = [
     "UNREACHABLE",
     "Move",
     "StepModel",
     "build_model",
-    "keep_all_peak_bytes",
     "need_to_go",
     "plan_peak_bytes",
     "step_model",
@@ -132,8 +132,6 @@ class StepModel:
             recompute events alone may decrease).
         ckpt_cum_ms: ``[i]`` the summed checkpoint ``extra_ms`` of units ``< i``.
         need: ``[i, p]`` the need-to-go table (:func:`need_to_go`).
-        keep_is_fastest: every unit's ``keep`` costs no more time than any of its
-            options, so keeping everything is a fastest plan.
     """
 
     n: int
@@ -153,7 +151,6 @@ class StepModel:
     seg_mono_need: IntArray
     ckpt_cum_ms: FloatArray
     need: IntArray
-    keep_is_fastest: bool
 
 
 def step_model(profile: Profile) -> StepModel:
@@ -509,10 +506,6 @@ def build_model(profile: Profile) -> StepModel:
         seg_mono_need=seg_mono,
         ckpt_cum_ms=np.concatenate(([0.0], np.cumsum(ck_ms))),
         need=need_to_go(moves, end_need, seg_last, seg_need, seg_inc),
-        keep_is_fastest=all(
-            u.keep.extra_ms <= min(o.extra_ms for o in u.options.values())
-            for u in profile.units
-        ),
     )
 
 
@@ -574,8 +567,3 @@ def plan_peak_bytes(
         held += mv.inc_bytes
         flag, i = mv.out_flag, i + 1
     return max(peak, held + model.end_need[flag])
-
-
-def keep_all_peak_bytes(model: StepModel) -> int:
-    """The peak of keeping everything (no checkpointing), by the event model."""
-    return plan_peak_bytes(model, [Option.KEEP] * model.n)

@@ -49,13 +49,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
-from remat.errors import RematError
+from remat.core.checks import check_budget_bytes, check_count, check_seconds
+from remat.core.errors import ParameterError, RematError
+from remat.core.option import Option
+from remat.core.plan import Plan, Status
+from remat.core.profile import Profile
 from remat.solver.events import StepModel, step_model
 from remat.solver.infeasible import infeasible_budget_error
 from remat.solver.min_peak import min_peak_bytes
-from remat.solver.params import ParameterError, check_budget_bytes, check_count, check_seconds
-from remat.solver.plan import Plan, Status
-from remat.solver.profile import Option, Profile
 from remat.solver.simulate import simulate
 from remat.solver.stamp import keep_all_when_it_fits, stamp_plan
 

@@ -7,10 +7,10 @@ at all, and what else to shrink when it cannot.
 
 from __future__ import annotations
 
-from remat.errors import InfeasibleBudgetError
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 from remat.solver.min_peak import min_peak_plan
-from remat.solver.plan import Plan
-from remat.solver.profile import Profile
 from remat.solver.simulate import simulate
 
 __all__ = ["infeasible_budget_error"]

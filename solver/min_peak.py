@@ -7,9 +7,10 @@ by unit, a move that attains each state's need rebuilds a plan with that peak.
 
 from __future__ import annotations
 
+from remat.core.option import Option
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 from remat.solver.events import StepModel, step_model
-from remat.solver.plan import Plan
-from remat.solver.profile import Option, Profile
 
 __all__ = ["min_peak_bytes", "min_peak_plan"]
 

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from remat.errors import InfeasibleBudgetError
+from remat.core.checks import check_count
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.plan import Plan, Status
+from remat.core.profile import Profile
 from remat.solver.baselines import (
     checkpoint_all_plan,
     chen_plan,
@@ -23,10 +26,8 @@ from remat.solver.baselines import (
     uniform_plan,
 )
 from remat.solver.min_peak import min_peak_bytes
-from remat.solver.params import check_count
-from remat.solver.plan import Plan, Status
-from remat.solver.profile import Profile
-from remat.solver.solve import algorithm, no_checkpoint_peak_bytes
+from remat.solver.resolve import no_checkpoint_peak_bytes
+from remat.solver.solve import algorithm
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -73,10 +74,10 @@ def _solved(profile: Profile, points: int, method: str) -> list[tuple[int, Plan]
 
 def _beats(a: Plan, b: Plan) -> bool:
     """``a`` is no slower than ``b`` and peaks no higher."""
-    assert a.predicted_time_ms is not None and b.predicted_time_ms is not None
+    assert a.record.predicted_time_ms is not None and b.record.predicted_time_ms is not None
     return (
-        a.predicted_time_ms <= b.predicted_time_ms + _TIME_TOLERANCE_MS
-        and a.predicted_peak_bytes <= b.predicted_peak_bytes
+        a.record.predicted_time_ms <= b.record.predicted_time_ms + _TIME_TOLERANCE_MS
+        and a.record.predicted_peak_bytes <= b.record.predicted_peak_bytes
     )
 
 
@@ -111,16 +112,17 @@ def frontier_plans(profile: Profile, *, points: int = 20, method: str = "dp") ->
     points = _check_points(points)
     kept = _frontier(_solved(profile, points, method))
     return sorted((plan for _, plan in kept),
-                  key=lambda p: (p.predicted_time_ms, p.predicted_peak_bytes))
+                  key=lambda p: (p.record.predicted_time_ms, p.record.predicted_peak_bytes))
 
 
 def _row(plan: Plan, base_ms: float, kind: str, label: str, budget: int | None) -> dict:
-    assert plan.predicted_time_ms is not None
+    assert plan.record.predicted_time_ms is not None
     return {
         "budget_bytes": budget,
-        "peak_bytes": plan.predicted_peak_bytes,
-        "time_ms": plan.predicted_time_ms,
-        "overhead_pct": 100.0 * (plan.predicted_time_ms / base_ms - 1.0) if base_ms else math.nan,
+        "peak_bytes": plan.record.predicted_peak_bytes,
+        "time_ms": plan.record.predicted_time_ms,
+        "overhead_pct": (100.0 * (plan.record.predicted_time_ms / base_ms - 1.0) if base_ms
+                         else math.nan),
         "algorithm": label,
         "plan": plan.summary(),
         "kind": kind,
@@ -181,11 +183,11 @@ def pareto_frontier(
 
     points = _check_points(points)
     keep = keep_all_plan(profile)
-    base_ms = keep.predicted_time_ms or 0.0
+    base_ms = keep.record.predicted_time_ms or 0.0
     rows = []
     for budget, plan in _frontier(_solved(profile, points, method)):
-        kind = "optimal" if plan.status == Status.OPTIMAL else "feasible"
-        rows.append(_row(plan, base_ms, kind, plan.algorithm, budget))
+        kind = "optimal" if plan.record.status == Status.OPTIMAL else "feasible"
+        rows.append(_row(plan, base_ms, kind, plan.record.algorithm, budget))
     if baselines:
         rows += _baseline_rows(profile, base_ms)
     frame = pd.DataFrame(rows, columns=list(COLUMNS))

@@ -52,9 +52,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from remat.errors import PlanMismatchError
-from remat.solver.plan import Plan
-from remat.solver.profile import Option, OptionCost, Profile
+from remat.core.errors import PlanMismatchError
+from remat.core.option import Option
+from remat.core.plan import Plan
+from remat.core.profile import OptionCost, Profile
 
 __all__ = ["PEAK_PARTS", "Simulation", "check_plan_fits_profile", "simulate"]
 

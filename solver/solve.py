@@ -12,7 +12,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from remat.errors import RematError
+from remat.core.errors import RematError, UnknownParameterError
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 from remat.solver.baselines import (
     checkpoint_all_plan,
     chen_greedy_plan,
@@ -20,19 +22,15 @@ from remat.solver.baselines import (
     keep_all_plan,
     uniform_plan,
 )
-from remat.solver.budget import resolve_budget
 from remat.solver.dp import solve_dp
-from remat.solver.params import UnknownParameterError
-from remat.solver.plan import Plan
-from remat.solver.profile import Profile
-from remat.solver.simulate import simulate
+from remat.solver.resolve import resolve_budget
 
 __all__ = [
     "ALGORITHMS",
     "UnknownMethodError",
     "algorithm",
     "algorithm_parameters",
-    "no_checkpoint_peak_bytes",
+    "check_method",
     "solve_profile",
 ]
 
@@ -91,19 +89,22 @@ def algorithm_parameters(method: str) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-def _check_parameters(method: str, params: Mapping[str, Any]) -> None:
-    unknown = sorted(set(params) - set(algorithm_parameters(method)))
+def check_method(method: object, params: Mapping[str, Any]) -> None:
+    """``method`` names an algorithm that takes every keyword in ``params``; entry points
+    call it before profiling, so a typo costs nothing.
+
+    Raises:
+        UnknownMethodError: no algorithm is registered as ``method`` (the valid ones listed).
+        UnknownParameterError: ``params`` names a keyword the algorithm does not take.
+    """
+    algorithm(method)  # type: ignore[arg-type]  # UnknownMethodError lists the methods
+    unknown = sorted(set(params) - set(algorithm_parameters(method)))  # type: ignore[arg-type]
     if unknown:
-        accepted = list(algorithm_parameters(method))
+        accepted = list(algorithm_parameters(method))  # type: ignore[arg-type]
         takes = f"its parameters are {accepted}" if accepted else "it takes no parameters"
         raise UnknownParameterError(
             f"method={method!r} does not take {unknown}; {takes}"
         )
-
-
-def no_checkpoint_peak_bytes(profile: Profile) -> int:
-    """The simulated peak of keeping everything: what percentage budgets refer to."""
-    return simulate(profile, Plan.keep_all([u.name for u in profile.units])).peak_bytes
 
 
 def solve_profile(
@@ -130,15 +131,15 @@ def solve_profile(
         BudgetError: the budget cannot be parsed.
         InfeasibleBudgetError: no plan of the method fits the budget.
     """
+    check_method(method, params)
     fn = algorithm(method)
-    _check_parameters(method, params)
     budget = None
     if memory_budget is not None:
         budget = resolve_budget(memory_budget, profile)
     plan = fn(profile, budget, **params)
     log.info(
         "remat: %s plan for %d units, budget %s B: peak %s B, %.3f ms (%s, %.1f ms to solve)",
-        method, profile.n, budget, plan.predicted_peak_bytes, plan.predicted_time_ms or 0.0,
-        plan.status, plan.solve_ms,
+        method, profile.n, budget, plan.record.predicted_peak_bytes,
+        plan.record.predicted_time_ms or 0.0, plan.record.status, plan.record.solve_ms,
     )
     return plan

@@ -1,8 +1,8 @@
 """Stamping a solved plan with ``simulate()``'s figures, and checking that it fits.
 
-Every algorithm (DP, CP-SAT, the baselines) ends here, so a plan's
-``predicted_peak_bytes`` and ``predicted_time_ms`` are always the specification's,
-never a search's own arithmetic.
+Every algorithm (DP, CP-SAT, the baselines) ends here, so a plan's record
+(``predicted_peak_bytes``, ``predicted_time_ms``) is always the specification's,
+never a search's own arithmetic, and its target (what it was made for) the profile's.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from remat.solver.events import keep_all_peak_bytes, step_model
-from remat.solver.plan import Plan, Status
-from remat.solver.profile import OutsideCost, Profile
+from remat.core.plan import Plan, PlanRecord, PlanTarget, Status
+from remat.core.profile import OutsideCost, Profile
+from remat.solver.resolve import no_checkpoint_peak_bytes
 from remat.solver.simulate import simulate
 
 __all__ = ["activations_only", "keep_all_when_it_fits", "stamp_plan"]
@@ -40,22 +40,23 @@ def stamp_plan(
             f"{algorithm} plan peaks at {sim.peak_bytes} B under simulate(), above the "
             f"budget {budget} B: the event model and simulate() disagree"
         )
-    return plan.with_(
+    record = PlanRecord(
         algorithm=algorithm,
         status=status,
         solve_ms=(time.perf_counter() - start) * 1e3,
-        budget_bytes=budget,
         predicted_peak_bytes=sim.peak_bytes,
         predicted_time_ms=sim.time_ms,
-        fingerprint=profile.fingerprint(),
+        persistent_bytes=profile.persistent_bytes,
+        activation_peak_bytes=simulate(activations_only(profile), plan).peak_bytes,
+    )
+    target = PlanTarget(
         unit_types=tuple(u.type_name for u in profile.units),
+        unit_signatures=_signatures(profile),
         device=profile.device.split(":")[0],
         loop=profile.loop,
         input_shapes=tuple(profile.input_shapes.items()),
-        unit_signatures=_signatures(profile),
-        persistent_bytes=profile.fixed_bytes + profile.grad_bytes,
-        activation_peak_bytes=simulate(activations_only(profile), plan).peak_bytes,
     )
+    return plan.with_(budget_bytes=budget, target=target, record=record)
 
 
 def activations_only(profile: Profile) -> Profile:
@@ -112,7 +113,7 @@ def keep_all_when_it_fits(
     is the optimum. Exact solvers return it without searching, so no arithmetic of
     theirs ever sees a huge budget. The plan keeps the budget as given.
     """
-    if budget is not None and budget < keep_all_peak_bytes(step_model(profile)):
+    if budget is not None and budget < no_checkpoint_peak_bytes(profile):
         return None
     plan = Plan.keep_all([u.name for u in profile.units])
     return stamp_plan(profile, plan, algorithm=algorithm, status=Status.OPTIMAL, budget=budget,

@@ -1,4 +1,4 @@
-"""The allocator instrument (remat.allocator) against a hand count.
+"""The allocator instrument (remat.measurement.allocator) against a hand count.
 
 The stack: 8 bias-free ``Linear(256, 256)``, an input of 4096 x 256 created
 outside the measured region, loss = ``sum``. With A = 4096*256*4 bytes (one
@@ -26,8 +26,8 @@ import pytest
 import torch
 from torch import nn
 
-from remat import allocator
-from remat.meter import MemoryMeter
+from remat.measurement import allocator
+from remat.measurement.meter import MemoryMeter
 
 A = 4096 * 256 * 4
 W = 256 * 256 * 4

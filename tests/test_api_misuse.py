@@ -21,12 +21,16 @@ from torch import nn
 import remat
 import remat.profiler.profile  # noqa: F401 - patched by no_profiling
 from remat.cli import main
-from remat.errors import BudgetError, RematError
+from remat.core.errors import (
+    ArgumentError,
+    BudgetError,
+    ParameterError,
+    RematError,
+    UnknownParameterError,
+)
 from remat.models import build
 from remat.plot import PlotError
-from remat.solver.params import ParameterError, UnknownParameterError
 from remat.solver.solve import UnknownMethodError
-from remat.validate import ArgumentError
 
 REF = build("mlp", size="tiny", seed=0)
 MODEL, BATCH, LOSS = REF.model, REF.batch, REF.loss_fn

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -13,7 +12,8 @@ from torch import nn
 
 import remat
 from remat.compiled import CompiledStep, compile_planned, measure_compiled, solve_compiled
-from remat.errors import InfeasibleBudgetError, RematError
+from remat.core.errors import InfeasibleBudgetError, RematError
+from remat.core.plan import CompiledChoice
 from remat.solver.pareto import frontier_plans
 
 sys.path.insert(0, str(Path(__file__).parent / "solver"))
@@ -31,8 +31,8 @@ def _scaled(factor: float, calls: list, *, slower: float = 1.0, shrink: float = 
     prediction (times ``slower`` below partitioner budget 1)."""
     def measure(plan: remat.Plan, fraction: float, within: int) -> CompiledStep:
         calls.append((plan, fraction))
-        peak = int(plan.predicted_peak_bytes * factor * (shrink if fraction < 1 else 1.0))
-        ms = plan.predicted_time_ms * (slower if fraction < 1 else 1.0)
+        peak = int(plan.record.predicted_peak_bytes * factor * (shrink if fraction < 1 else 1.0))
+        ms = plan.record.predicted_time_ms * (slower if fraction < 1 else 1.0)
         return CompiledStep(peak, ms if peak <= within else None)
     return measure
 
@@ -40,8 +40,8 @@ def _scaled(factor: float, calls: list, *, slower: float = 1.0, shrink: float = 
 def test_frontier_is_fastest_first_with_falling_peaks(prof: remat.Profile) -> None:
     plans = frontier_plans(prof, points=20)
     assert len(plans) > 3
-    times = [p.predicted_time_ms for p in plans]
-    peaks = [p.predicted_peak_bytes for p in plans]
+    times = [p.record.predicted_time_ms for p in plans]
+    peaks = [p.record.predicted_peak_bytes for p in plans]
     assert times == sorted(times)
     assert peaks == sorted(peaks, reverse=True)  # more time buys less memory, never more
     assert len({(p.options, p.segments) for p in plans}) == len(plans)
@@ -50,9 +50,9 @@ def test_frontier_is_fastest_first_with_falling_peaks(prof: remat.Profile) -> No
 @pytest.mark.parametrize("factor", [0.6, 0.85, 1.0, 1.15])
 def test_search_finds_the_fastest_candidate_that_fits(prof: remat.Profile, factor: float) -> None:
     plans = frontier_plans(prof, points=20)
-    lo, hi = plans[-1].predicted_peak_bytes, plans[0].predicted_peak_bytes
+    lo, hi = plans[-1].record.predicted_peak_bytes, plans[0].record.predicted_peak_bytes
     for budget in [int(lo * factor) + k * (hi - lo) // 7 for k in range(8)]:
-        fitting = [p for p in plans if int(p.predicted_peak_bytes * factor) <= budget]
+        fitting = [p for p in plans if int(p.record.predicted_peak_bytes * factor) <= budget]
         calls: list = []
         if not fitting:
             with pytest.raises(InfeasibleBudgetError) as info:
@@ -63,11 +63,11 @@ def test_search_finds_the_fastest_candidate_that_fits(prof: remat.Profile, facto
         plan = solve_compiled(None, None, prof, budget, measure=_scaled(factor, calls),
                               max_compiles=len(plans), partitioner_budgets=(1.0,))
         assert (plan.options, plan.segments) == (fitting[0].options, fitting[0].segments)
-        assert plan.compiled_peak_bytes == int(fitting[0].predicted_peak_bytes * factor)
-        assert plan.compiled_peak_bytes <= budget
-        assert plan.status == "feasible" and plan.algorithm.endswith("+compiled")
-        assert plan.budget_bytes == budget and plan.activation_memory_budget == 1.0
-        assert plan.compiled_time_ms == fitting[0].predicted_time_ms
+        assert plan.compiled.peak_bytes == int(fitting[0].record.predicted_peak_bytes * factor)
+        assert plan.compiled.peak_bytes <= budget
+        assert plan.record.status == "feasible" and plan.record.algorithm.endswith("+compiled")
+        assert plan.budget_bytes == budget and plan.compiled.activation_memory_budget == 1.0
+        assert plan.compiled.time_ms == fitting[0].record.predicted_time_ms
         # A binary search: far fewer compiles than candidates.
         assert len(calls) <= len(plans).bit_length() + 1
         assert remat.Plan.from_json(plan.to_json()) == plan
@@ -75,11 +75,11 @@ def test_search_finds_the_fastest_candidate_that_fits(prof: remat.Profile, facto
 
 def test_search_respects_max_compiles(prof: remat.Profile) -> None:
     plans = frontier_plans(prof, points=20)
-    budget = plans[len(plans) // 2].predicted_peak_bytes
+    budget = plans[len(plans) // 2].record.predicted_peak_bytes
     calls: list = []
     plan = solve_compiled(None, None, prof, budget, measure=_scaled(0.9, calls), max_compiles=2,
                           partitioner_budgets=(1.0,))
-    assert len(calls) <= 2 and plan.compiled_peak_bytes <= budget
+    assert len(calls) <= 2 and plan.compiled.peak_bytes <= budget
 
 
 @pytest.mark.parametrize("slower", [1.01, 1.5])
@@ -88,21 +88,22 @@ def test_search_weighs_the_partitioner_budget_by_measured_time(prof: remat.Profi
     """Below budget 1 inductor recomputes on its own: less memory, some time. The
     search takes whichever winner measures faster."""
     plans = frontier_plans(prof, points=20)
-    budget = plans[len(plans) // 2].predicted_peak_bytes
+    budget = plans[len(plans) // 2].record.predicted_peak_bytes
     calls: list = []
     plan = solve_compiled(None, None, prof, budget, max_compiles=len(plans),
                           partitioner_budgets=(0.5, 1.0),  # searched from 1.0 down
                           measure=_scaled(1.0, calls, slower=slower, shrink=0.7))
     index = {f: next(i for i, p in enumerate(plans)
-                     if int(p.predicted_peak_bytes * (0.7 if f < 1 else 1)) <= budget)
+                     if int(p.record.predicted_peak_bytes * (0.7 if f < 1 else 1)) <= budget)
              for f in (1.0, 0.5)}
     assert index[0.5] < index[1.0]  # budget 0.5 lets a faster plan fit
-    times = {f: plans[i].predicted_time_ms * (slower if f < 1 else 1.0) for f, i in index.items()}
+    times = {f: plans[i].record.predicted_time_ms * (slower if f < 1 else 1.0)
+             for f, i in index.items()}
     fraction = min(times, key=times.get)
-    assert plan.activation_memory_budget == fraction
+    assert plan.compiled.activation_memory_budget == fraction
     chosen = plans[index[fraction]]
     assert (plan.options, plan.segments) == (chosen.options, chosen.segments)
-    assert plan.compiled_time_ms == pytest.approx(times[fraction])
+    assert plan.compiled.time_ms == pytest.approx(times[fraction])
     # Budget 0.5 only searched the plans faster than budget 1.0's winner.
     position = {(p.options, p.segments): i for i, p in enumerate(plans)}
     assert all(position[(p.options, p.segments)] < index[1.0] for p, f in calls if f == 0.5)
@@ -112,9 +113,9 @@ def test_search_weighs_the_partitioner_budget_by_measured_time(prof: remat.Profi
 def test_search_stops_once_keeping_everything_fits(prof: remat.Profile) -> None:
     plans = frontier_plans(prof, points=20)
     calls: list = []
-    plan = solve_compiled(None, None, prof, plans[0].predicted_peak_bytes,
+    plan = solve_compiled(None, None, prof, plans[0].record.predicted_peak_bytes,
                           measure=_scaled(1.0, calls))
-    assert plan.options == plans[0].options and plan.activation_memory_budget == 1.0
+    assert plan.options == plans[0].options and plan.compiled.activation_memory_budget == 1.0
     assert {f for _, f in calls} == {1.0}
 
 
@@ -161,7 +162,7 @@ def test_solve_compiled_end_to_end() -> None:
     budget = int(0.9 * keep_peak)
     plan = remat.solve(model, x, budget, loss_fn=_loss, compiled=True,
                        compile_options={"backend": "aot_eager"})
-    assert plan.compiled_peak_bytes <= budget
+    assert plan.compiled.peak_bytes <= budget
     # The plan it returns compiles and trains like the model without it.
     ref = copy.deepcopy(model)
     _loss(ref(x), x).backward()
@@ -182,8 +183,8 @@ def test_compile_planned_compiles_under_the_plans_partitioner_budget() -> None:
         return gm.forward
 
     model, x = _mlp()
-    plan = dataclasses.replace(remat.Plan.keep_all(["0", "1", "2", "3"]),
-                               activation_memory_budget=0.5)
+    plan = remat.Plan.keep_all(["0", "1", "2", "3"]).with_(
+        compiled=CompiledChoice(peak_bytes=0, activation_memory_budget=0.5))
     torch._dynamo.reset()
     compiled = compile_planned(model, plan, backend=backend)
     compiled(x)

@@ -52,7 +52,7 @@ def test_plan_meets_budget_and_prediction_holds(reference, fraction):
     ref, profile = reference
     budget = between(profile, fraction)
     plan = remat.solve(profile, memory_budget=budget)
-    assert plan.predicted_peak_bytes <= budget
+    assert plan.record.predicted_peak_bytes <= budget
     assert plan.options != ("keep",) * profile.n  # the budget binds
     remat.apply_plan(ref.model, plan)
     try:
@@ -60,10 +60,10 @@ def test_plan_meets_budget_and_prediction_holds(reference, fraction):
     finally:
         remat.remove_plan(ref.model)
     assert measured.peak_bytes <= budget and measured.allocator_peak_bytes <= budget
-    error = (abs(plan.predicted_peak_bytes - measured.allocator_peak_bytes)
+    error = (abs(plan.record.predicted_peak_bytes - measured.allocator_peak_bytes)
              / measured.allocator_peak_bytes)
     assert error <= PEAK_TOLERANCE, (
-        plan.summary(), plan.predicted_peak_bytes, measured.allocator_peak_bytes)
+        plan.summary(), plan.record.predicted_peak_bytes, measured.allocator_peak_bytes)
 
 
 def test_solve_from_model_equals_solve_from_profile():
@@ -136,5 +136,5 @@ def test_hf_gpt2_plan_meets_budget():
     finally:
         remat.remove_plan(ref.model)
     assert measured.peak_bytes <= budget
-    error = abs(plan.predicted_peak_bytes - measured.peak_bytes) / measured.peak_bytes
+    error = abs(plan.record.predicted_peak_bytes - measured.peak_bytes) / measured.peak_bytes
     assert error <= PEAK_TOLERANCE

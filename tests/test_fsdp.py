@@ -47,7 +47,7 @@ def _check(rank: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import remat
-    from remat.errors import PlanMismatchError
+    from remat.core.errors import PlanMismatchError
     from remat.integrations import fsdp
     from remat.models import build
     from remat.solver.min_peak import min_peak_bytes
@@ -71,7 +71,7 @@ def _check(rank: int) -> None:
     plan = fsdp.broadcast_plan(plan)
     predicted = simulate_rank = None
     if rank == 0:
-        predicted = plan.predicted_peak_bytes
+        predicted = plan.record.predicted_peak_bytes
         simulate_rank = simulate(per_rank, plan).peak_bytes
         assert predicted == simulate_rank
 

@@ -12,7 +12,7 @@ HEAVY = ("ortools", "pandas", "matplotlib")
 
 @pytest.mark.parametrize(
     ("module", "also_absent"),
-    [("remat", ("torch",)), ("remat.errors", ("torch",)), ("remat.runtime", ())],
+    [("remat", ("torch",)), ("remat.core.errors", ("torch",)), ("remat.runtime", ())],
 )
 def test_import_loads_no_heavy_module(module: str, also_absent: tuple[str, ...]) -> None:
     code = (

@@ -55,8 +55,8 @@ def test_trainer_trains_under_the_plan(tmp_path: Path, caplog: pytest.LogCapture
     report = callback.report
     assert trainer.state.global_step == 3
     assert report is not None and planned(model) == report.plan
-    assert report.plan.loop is not None and report.plan.loop.accumulation_steps == 2
-    assert not report.plan.loop.keep_output  # the Trainer's loop
+    assert report.plan.target.loop is not None and report.plan.target.loop.accumulation_steps == 2
+    assert not report.plan.target.loop.keep_output  # the Trainer's loop
     assert report.plan.options != ("keep",) * report.plan.n  # half the activations: it plans
     assert report.predicted_peak_bytes <= report.budget_bytes
     assert report.verified_peak_bytes is not None

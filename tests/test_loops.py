@@ -21,7 +21,7 @@ import torch
 
 import remat
 from remat.solver import min_peak_bytes
-from remat.solver.solve import no_checkpoint_peak_bytes
+from remat.solver.resolve import no_checkpoint_peak_bytes
 
 PEAK_TOLERANCE = 0.01
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -64,8 +64,8 @@ def test_measured_peak_stays_within_the_budget(profiled, fraction: float) -> Non
         assert fraction == 0.0 and err.min_feasible_bytes > budget
         assert err.min_feasible_bytes <= budget * (1 + PEAK_TOLERANCE)
         return
-    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget
-    assert plan.loop == loop
+    assert plan.verification is not None and plan.verification.measured_peak_bytes <= budget
+    assert plan.target.loop == loop
     remat.apply_plan(case.model, plan)
     try:
         measured = remat.measure(case.model, case.batch, loss_fn=case.loss_fn, loop=loop,
@@ -73,9 +73,9 @@ def test_measured_peak_stays_within_the_budget(profiled, fraction: float) -> Non
     finally:
         remat.remove_plan(case.model)
     assert measured.peak_bytes <= budget and measured.allocator_peak_bytes <= budget
-    error = abs(plan.predicted_peak_bytes - measured.allocator_peak_bytes)
+    error = abs(plan.record.predicted_peak_bytes - measured.allocator_peak_bytes)
     assert error <= PEAK_TOLERANCE * measured.allocator_peak_bytes, (
-        plan.summary(), plan.predicted_peak_bytes, measured)
+        plan.summary(), plan.record.predicted_peak_bytes, measured)
 
 
 def test_the_loop_changes_the_peak() -> None:
@@ -197,7 +197,7 @@ def test_a_concatenations_gradient_lives_while_its_views_are_used() -> None:
             measured = remat.measure(model, x, loss_fn=loss_fn, repeats=1)
         finally:
             remat.remove_plan(model)
-        error = plan.predicted_peak_bytes - measured.allocator_peak_bytes
+        error = plan.record.predicted_peak_bytes - measured.allocator_peak_bytes
         assert -PEAK_TOLERANCE < error / measured.allocator_peak_bytes < 0.05, (
             plan.summary(), error)
 
@@ -206,9 +206,11 @@ def test_a_verified_plan_records_both_figures_and_round_trips() -> None:
     case = lm.causal_lm()
     plan = remat.solve(case.model, case.batch, "60%", loss_fn=case.loss_fn,
                        loop=remat.Loop(accumulation_steps=2))
-    assert plan.verify_rounds >= 1 and plan.measured_peak_bytes <= plan.budget_bytes
+    verified = plan.verification
+    assert verified is not None and verified.rounds >= 1
+    assert verified.measured_peak_bytes <= plan.budget_bytes
     again = remat.Plan.from_json(plan.to_json())
-    assert again == plan and again.loop.accumulation_steps == 2
+    assert again == plan and again.target.loop.accumulation_steps == 2
 
 
 def test_verification_solves_again_for_the_excess(monkeypatch) -> None:
@@ -232,8 +234,8 @@ def test_verification_solves_again_for_the_excess(monkeypatch) -> None:
     readings = iter([budget + 1000, budget - 1])
     plan = verify.verified(first, budget, solve_at, lambda _p: Measured(next(readings)))
     assert solved_for == [budget - 1000]
-    assert plan.verify_rounds == 2 and plan.solved_budget_bytes == budget - 1000
-    assert plan.measured_peak_bytes == budget - 1
+    assert plan.verification.rounds == 2 and plan.verification.solved_budget_bytes == budget - 1000
+    assert plan.verification.measured_peak_bytes == budget - 1
 
 
 def test_plans_that_stay_over_give_up_with_an_error() -> None:

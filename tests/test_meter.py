@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from remat.meter import MemoryMeter, MeterMark, storage_bytes
+from remat.measurement.meter import MemoryMeter, MeterMark
+from remat.measurement.storage import storage_bytes
 
 F32 = 4
 SUM_BACKWARD = 8  # loss scalar + seed gradient, see the module docstring

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 from remat.models import (
     MODELS,
     SIZES,

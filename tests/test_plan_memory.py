@@ -14,7 +14,7 @@ import pytest
 
 import remat
 from remat import models
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 
 HELD_TOLERANCE = 0.02
 PEAK_TOLERANCE = 0.01

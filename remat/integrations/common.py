@@ -14,12 +14,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from remat.bytesize import format_bytes
-from remat.errors import RematError
-from remat.integrations.step_meter import TrainerStepPeak
-from remat.solver.loop import Loop
-from remat.solver.plan import Plan
-from remat.validate import check_budget_arg, check_loss_fn, check_method
+from remat.core.bytesize import format_bytes
+from remat.core.checks import check_budget_arg, check_loss_fn
+from remat.core.errors import RematError
+from remat.core.loop import Loop
+from remat.core.plan import Plan
+from remat.measurement.step_meter import TrainerStepPeak
+from remat.solver.solve import check_method
 
 __all__ = ["CallbackSettings", "IntegrationError", "RunReport", "solve_plan"]
 
@@ -74,8 +75,9 @@ class RunReport:
     @classmethod
     def of(cls, plan: Plan, loop: Loop) -> RunReport:
         """The report of a solved plan (its budget, predicted and verified peaks)."""
-        return cls(plan, loop, plan.budget_bytes or 0, plan.predicted_peak_bytes or 0,
-                   plan.measured_peak_bytes)
+        measured = plan.verification.measured_peak_bytes if plan.verification else None
+        return cls(plan, loop, plan.budget_bytes or 0, plan.record.predicted_peak_bytes or 0,
+                   measured)
 
     def summary(self) -> str:
         """One paragraph: the plan, the budget, predicted and measured peaks."""

@@ -12,7 +12,7 @@ program.
 
 **Per-unit options only.** FSDP2's hooks hand each unit's output on as a new tensor,
 so at run time the units are no chain and the runtime refuses multi-unit segments
-over them (a :class:`~remat.errors.RematError` names the two units); a segment's
+over them (a :class:`~remat.core.errors.RematError` names the two units); a segment's
 recomputation would also run units whose parameters FSDP has resharded.
 :func:`per_rank_profile` therefore describes the units as no chain, and the solver
 then plans per-unit options only. (Off a chain, a boundary tensor that both of its
@@ -35,10 +35,9 @@ that rank's micro-batch) measures activations, which sharding does not change.
   root unsharded after its forward), so they are held from the prefix's forward to
   its backward.
 
-Profiling the sharded model itself is not supported: the profiler reads tensor
-storages, which a ``DTensor`` parameter does not have (``tensor_storage_bytes`` raises
-``RuntimeError: Attempted to access the data pointer on an invalid python storage``),
-and its replays would issue collectives that must match across ranks.
+Profiling the sharded model itself is not supported: the profiler's replays of one unit
+would issue collectives that must match across ranks, and its snapshot of the model
+would gather the sharded parameters.
 
 The per-rank figures are a model of FSDP2's memory, not a measurement: the test
 suite checks them against the allocator's view of real sharded steps on two CPU
@@ -53,12 +52,12 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from remat.errors import RematError
-from remat.solver.loop import Loop
-from remat.solver.plan import Plan
-from remat.solver.profile import Profile
+from remat.core.errors import RematError
+from remat.core.loop import Loop
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 
-__all__ = ["broadcast_plan", "local_bytes", "measure_rank_step", "per_rank_profile"]
+__all__ = ["broadcast_plan", "measure_rank_step", "per_rank_profile"]
 
 log = logging.getLogger("remat")
 
@@ -139,30 +138,6 @@ def per_rank_profile(
     )
 
 
-def local_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` on this rank (a ``DTensor``
-    counts its local shard)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-    return sum(seen.values())
-
-
-def _resident_bytes(model: Any, optimizer: Any) -> int:
-    """Parameters, buffers, gradients and optimizer state alive on this rank now."""
-    state = [] if optimizer is None else [
-        v for s in optimizer.state.values() for v in s.values()]
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return local_bytes([*model.parameters(), *model.buffers(), *grads, *state])
-
-
 def measure_rank_step(
     model: Any,
     batch: Any,
@@ -174,23 +149,19 @@ def measure_rank_step(
 ) -> int:
     """The peak bytes of one optimizer step of ``loop`` on this rank, as the allocator saw it.
 
-    Runs ``warmup`` steps first (they create the optimizer's state), then one step
-    under :func:`remat.allocator.allocator_peak`; the peak is that step's rise plus
-    what was resident when it started (local shards of parameters, buffers, gradients
-    and optimizer state). Every rank must call it at the same time: the step's
-    collectives must match. The steps train the model (it is not restored).
+    :func:`remat.measurement.step.measure_step` with the allocator alone and nothing
+    restored (a sharded model cannot be snapshotted): ``warmup`` steps first (they
+    create the optimizer's state), then two measured steps; the peak is their rise plus
+    what the step holds throughout on this rank (local shards of parameters, buffers,
+    gradients and optimizer state, and the batch). Every rank must call it at the same
+    time: the steps' collectives must match. The steps train the model.
     """
-    from remat.allocator import allocator_peak
-    from remat.profiler.loop import Carry, StepRunner
-    from remat.profiler.step import model_device
+    from remat.measurement.step import measure_step
 
-    device = model_device(model)
-    runner = StepRunner(model, batch, loss_fn, optimizer, loop or Loop(), device.type)
-    for _ in range(warmup):
-        runner.optimizer_step_cycle(Carry())
-    resident = _resident_bytes(model, optimizer)
-    rise = allocator_peak(lambda: runner.optimizer_step_cycle(Carry()), device_type=device.type)
-    return resident + rise
+    step = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
+                        warmup=warmup, repeats=0, meter=False, restore=False)
+    assert step.allocator_peak_bytes is not None  # measured with the allocator
+    return step.allocator_peak_bytes
 
 
 def broadcast_plan(plan: Plan | None, *, src: int = 0, group: Any = None) -> Plan:

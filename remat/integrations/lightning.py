@@ -42,9 +42,9 @@ import torch
 from lightning.pytorch import Callback
 from torch import nn
 
+from remat.core.loop import Loop
 from remat.integrations.common import CallbackSettings, IntegrationError, RunReport, solve_plan
-from remat.integrations.step_meter import StepMeter, unwrap_optimizer
-from remat.solver.loop import Loop
+from remat.measurement.step_meter import StepMeter, unwrap_optimizer
 
 __all__ = ["RematCallback", "lightning_loop"]
 

@@ -16,10 +16,10 @@ import torch
 
 import remat
 from remat.api import activation_budget
-from remat.bytesize import format_bytes, mib
+from remat.core.bytesize import format_bytes, mib
+from remat.measurement.runner import forward_loss
 from remat.models.load import load_model
 from remat.output import check_writable, write_atomic
-from remat.profiler.step import forward_loss
 from remat.report import print_table
 from remat.solver.pareto import min_feasible_peak
 
@@ -63,15 +63,15 @@ def run_demo(*, model_name: str = "gpt", size: str = "small", out_dir: Path = Pa
         finally:
             remat.remove_plan(model)
         measured.append({"peak_bytes": m.peak_bytes, "time_ms": m.time_ms, "label": name,
-                         "predicted_peak_bytes": plan.predicted_peak_bytes,
-                         "predicted_time_ms": plan.predicted_time_ms})
+                         "predicted_peak_bytes": plan.record.predicted_peak_bytes,
+                         "predicted_time_ms": plan.record.predicted_time_ms})
         rows.append(
             {
                 "method": name,
                 "plan": plan.summary(),
-                "pred MiB": mib(plan.predicted_peak_bytes),
+                "pred MiB": mib(plan.record.predicted_peak_bytes),
                 "meas MiB": mib(m.peak_bytes),
-                "pred ms": f"{plan.predicted_time_ms:.0f}",
+                "pred ms": f"{plan.record.predicted_time_ms:.0f}",
                 "meas ms": f"{m.time_ms:.0f}",
                 "fits budget": "yes" if m.peak_bytes <= budget else "no",
             }

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 from remat.models.reference import ModelConfig, ReferenceModel, to_device
 
 __all__ = ["HF_MODELS", "HFConfig", "HFModel", "build_hf"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 from remat.models.registry import build
 
 __all__ = ["load_model"]

@@ -14,8 +14,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from remat.errors import RematError
-from remat.profiler.step import call_model
+from remat.core.errors import RematError
+from remat.measurement.runner import call_model
 
 __all__ = ["ModelConfig", "ReferenceModel", "UnknownModelError", "param_count", "to_device"]
 

@@ -14,12 +14,13 @@ import torch
 from torch import nn
 
 from remat import models
+from remat.core.loop import Loop
+from remat.measurement.runner import StepRunner, forward_loss
+from remat.measurement.state import ModelState, clear_grads
 from remat.profiler import profile
 from remat.profiler.capture import UnitTrace, trace_units
 from remat.profiler.instrument import BaselineStep, instrumented_step
 from remat.profiler.replay import OptionFigures, measure_option
-from remat.profiler.state import ModelState, clear_grads
-from remat.profiler.step import forward_loss
 from remat.profiler.units import discover_units
 
 REFERENCE = ["mlp", "cnn", "gpt", pytest.param("hf-gpt2", marks=pytest.mark.transformers)]
@@ -82,13 +83,12 @@ def _baseline_and_replays(
         ordered = [(n, trace.calls[n].module) for n in trace.order]
         state.rng.restore()
         state.restore_buffers()
-        base = instrumented_step(model, batch, loss_fn, ordered, is_chain=trace.chain.is_chain,
-                                 device_type="cpu")
+        runner = StepRunner(model, batch, loss_fn, None, Loop(keep_output=False), "cpu")
+        base = instrumented_step(runner, ordered, is_chain=trace.chain.is_chain)
         clear_grads(state.params)
         state.rng.restore()
         state.restore_buffers()
-        replayed = [measure_option(trace.calls[n], "keep", "cpu", state.params)
-                    for n in trace.order]
+        replayed = [measure_option(trace.calls[n], "keep", runner) for n in trace.order]
     finally:
         state.restore()
     return base, trace, replayed

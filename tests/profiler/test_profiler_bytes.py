@@ -20,9 +20,10 @@ import pytest
 import torch
 from torch import nn
 
+from remat.core.loop import Loop
+from remat.core.plan import Plan
 from remat.profiler import profile
-from remat.solver import Plan, simulate
-from remat.solver.loop import Loop
+from remat.solver import simulate
 
 B, D = 8, 16
 A, W, Db, S = B * D * 4, D * D * 4, D * 4, B * 4

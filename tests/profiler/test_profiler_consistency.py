@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from remat import models
-from remat.profiler import measure_step, profile
-from remat.runtime.options import forward_with_option
-from remat.solver import Plan, simulate
+from remat.core.plan import Plan
+from remat.execute.options import forward_with_option
+from remat.measurement.step import measure_step
+from remat.profiler import profile
+from remat.solver import simulate
 
 HELD_TOLERANCE = 0.02
 PEAK_TOLERANCE = 0.01  # against the allocator's view, which the profile predicts
@@ -79,7 +81,7 @@ def test_keep_all_matches_the_measured_step(reference) -> None:
     # The instrumented step inside profile() measured the same step.
     assert p.meta["held_after_forward_bytes"] == measured.held_after_forward_bytes
     assert p.measured_peak_bytes == measured.worst_peak_bytes
-    assert p.fixed_bytes == measured.fixed_bytes
+    assert p.fixed_bytes == measured.resident_bytes
 
 
 def test_planned_steps_match_simulate(reference) -> None:

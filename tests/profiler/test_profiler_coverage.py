@@ -18,12 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-from remat.errors import NoUnitsError, ProfileError
+import remat
+from remat.core.errors import NoUnitsError, ProfileError
+from remat.core.plan import Plan
+from remat.core.profile import Profile
+from remat.measurement.runner import call_model, compute_loss
 from remat.profiler import check_chain, find_units, profile
-from remat.profiler.loop import call_model, compute_loss
 from remat.runtime import apply_plan
-from remat.solver import Plan, min_peak_bytes, min_peak_plan
-from remat.solver.profile import Profile
+from remat.solver import min_peak_bytes, min_peak_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zoo  # noqa: E402  (tests/zoo.py: the models)
@@ -273,7 +275,7 @@ def test_children_level_and_auto_granularity() -> None:
     assert children.level == "children"
     assert children.names[:4] == ["blocks.0.norm1", "blocks.0.attn", "blocks.0.norm2",
                                   "blocks.0.mlp"]
-    p = profile(model, batch, loss_fn=loss_fn, granularity="auto", **FAST)
+    p = remat.profile(model, batch, loss_fn=loss_fn, granularity="auto", **FAST)
     compared = p.meta["granularity_compared"]
     assert set(compared) == {"blocks", "children"}
     children_win = compared["children"]["score"] < compared["blocks"]["score"] - 0.01
@@ -281,6 +283,8 @@ def test_children_level_and_auto_granularity() -> None:
     assert p.n == compared[p.meta["granularity"]]["units"]
     with pytest.raises(ProfileError, match="granularity"):
         profile(model, batch, loss_fn=loss_fn, granularity="layers", **FAST)
+    with pytest.raises(ProfileError, match="remat.profile"):  # comparing levels takes the solver
+        profile(model, batch, loss_fn=loss_fn, granularity="auto", **FAST)
 
 
 @pytest.mark.transformers

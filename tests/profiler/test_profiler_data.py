@@ -9,8 +9,11 @@ import torch
 from torch import nn
 
 from remat import models
-from remat.profiler import StepMeasurement, measure_step, profile
-from remat.solver import Plan, Profile, simulate
+from remat.core.plan import Plan
+from remat.core.profile import Profile
+from remat.measurement.step import StepMeasurement, measure_step
+from remat.profiler import profile
+from remat.solver import simulate
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +90,7 @@ def test_optimizer_state_and_step_peak() -> None:
     measured = measure_step(ref.model, ref.batch, loss_fn=ref.loss_fn, optimizer=optimizer,
                             repeats=1, warmup=0)
     sim = simulate(p, Plan.keep_all([u.name for u in p.units]))
-    assert measured.fixed_bytes == p.fixed_bytes
+    assert measured.resident_bytes == p.fixed_bytes
     assert abs(sim.peak_bytes - measured.peak_bytes) <= 0.03 * measured.peak_bytes
 
 
@@ -95,8 +98,8 @@ def test_step_measurement_fields() -> None:
     ref = models.build("cnn", size="tiny", seed=0)
     m = measure_step(ref.model, ref.batch, loss_fn=ref.loss_fn, repeats=2, warmup=0)
     assert isinstance(m, StepMeasurement)
-    assert m.fixed_bytes > 0 and m.peak_bytes > m.fixed_bytes
-    assert 0 < m.held_after_forward_bytes <= m.activation_peak_bytes
+    assert m.resident_bytes > 0 and m.peak_bytes > m.resident_bytes
+    assert 0 < m.held_after_forward_bytes <= m.peak_bytes - m.resident_bytes
     assert m.time_ms > 0
     if not torch.cuda.is_available():
         assert m.cuda_peak_bytes is None
@@ -106,7 +109,7 @@ def test_step_measurement_fields() -> None:
 
 def test_remat_exports_profile_and_measure() -> None:
     import remat
-    from remat.profiler import measure_step as ms
-    from remat.profiler import profile as pf
+    from remat.api import profile as pf
+    from remat.measurement.step import measure_step as ms
 
     assert remat.profile is pf and remat.measure is ms

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from remat import models
-from remat.profiler import default_options, measure_step, profile
-from remat.solver import Plan, simulate
+from remat.core.plan import Plan
+from remat.measurement.step import measure_step
+from remat.profiler import default_options, profile
+from remat.solver import simulate
 
 pytestmark = pytest.mark.gpu
 

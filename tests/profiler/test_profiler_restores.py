@@ -14,9 +14,10 @@ import torch
 from torch import Tensor, nn
 
 import remat
-from remat.errors import ProfileError
-from remat.profiler import measure_step, profile
-from remat.profiler.state import ModelState
+from remat.core.errors import ProfileError
+from remat.measurement.state import ModelState
+from remat.measurement.step import measure_step
+from remat.profiler import profile
 
 UNITS = ["blocks.0", "blocks.1"]
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from remat import models
-from remat.profiler import measure_step, profile
+from remat.measurement.step import measure_step
+from remat.profiler import profile
 
 
 @dataclass
@@ -123,7 +124,7 @@ def test_measure_step_leaves_no_trace(cnn_in_a_used_state) -> None:
     before = take(ref.model, optimizer)
     measured = measure_step(ref.model, ref.batch, loss_fn=ref.loss_fn, optimizer=optimizer,
                             repeats=2, warmup=1)
-    assert measured.peak_bytes > measured.fixed_bytes
+    assert measured.peak_bytes > measured.resident_bytes
     assert_unchanged(ref.model, optimizer, before)
 
 

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from remat import models
+from remat.core.loop import Loop
+from remat.measurement.runner import StepRunner, forward_loss
+from remat.measurement.timing import Stopwatch, settled
 from remat.profiler import profile
 from remat.profiler.capture import trace_units
 from remat.profiler.replay import time_unit
-from remat.profiler.step import forward_loss
-from remat.profiler.timing import Stopwatch, settled
 from remat.profiler.twins import signature
 from remat.profiler.units import discover_units
-from remat.solver.loop import Loop
 
 # ---------------------------------------------------------------- settled()
 
@@ -58,12 +58,12 @@ def _mlp_call():
     x = torch.randn(8, 32)
     found = discover_units(model, None)
     trace = trace_units(model, found, lambda: model(x).sum())
-    return trace.calls["0"], list(model.parameters())
+    return trace.calls["0"], StepRunner(model, x, lambda out, _: out.sum(), None, Loop(), "cpu")
 
 
 def test_time_unit_takes_repeats_rounds_at_zero_tolerance() -> None:
-    call, params = _mlp_call()
-    samples = time_unit(call, ["keep", "selective"], Stopwatch(torch.device("cpu")), params,
+    call, runner = _mlp_call()
+    samples = time_unit(call, ["keep", "selective"], runner, Stopwatch(torch.device("cpu")),
                         warmup=0, repeats=4, tolerance=0.0)
     assert samples.rounds == 4
 
@@ -80,15 +80,15 @@ class _SteadyWatch(Stopwatch):
 
 
 def test_time_unit_stops_once_settled_and_at_max_rounds() -> None:
-    call, params = _mlp_call()
+    call, runner = _mlp_call()
     watch = _SteadyWatch(torch.device("cpu"))
     # A tolerance of 99% settles as soon as a majority (2 of 3) is taken.
-    assert time_unit(call, ["keep"], watch, params, warmup=0, repeats=3,
+    assert time_unit(call, ["keep"], runner, watch, warmup=0, repeats=3,
                      tolerance=0.99).rounds == 2
-    samples = time_unit(call, ["keep"], watch, params, warmup=0, repeats=3, max_rounds=1)
+    samples = time_unit(call, ["keep"], runner, watch, warmup=0, repeats=3, max_rounds=1)
     assert samples.rounds == 1
     # Pooled: a second call adds to the same samples and stops at repeats in all.
-    time_unit(call, ["keep"], watch, params, warmup=0, repeats=3, samples=samples)
+    time_unit(call, ["keep"], runner, watch, warmup=0, repeats=3, samples=samples)
     assert samples.rounds == 3
 
 

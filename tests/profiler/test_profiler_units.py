@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from remat import models
-from remat.errors import LossNotFoundError, NoUnitsError, ProfileError
+from remat.core.errors import LossNotFoundError, NoUnitsError, ProfileError
+from remat.core.plan import Plan
 from remat.profiler import discover_units, profile
 from remat.profiler.units import longest_list
 from remat.runtime import apply_plan
-from remat.solver.plan import Plan
 
 
 class Block(nn.Module):

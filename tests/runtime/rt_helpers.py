@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from remat.core.plan import Plan, PlanTarget
 from remat.models import ReferenceModel, build
-from remat.solver import Plan
 
 # Where each reference model keeps its chain of units.
 UNIT_PREFIX = {
@@ -54,7 +54,7 @@ def make_plan(
     """A manual plan that also carries unit types and device, as a solved plan does."""
     types = [type(model.get_submodule(n)).__name__ for n in names]
     return Plan.from_options(
-        names, options, segments=segments, unit_types=types, device="cpu"
+        names, options, segments=segments, target=PlanTarget(unit_types=tuple(types), device="cpu")
     )
 
 

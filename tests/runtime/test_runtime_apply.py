@@ -18,10 +18,10 @@ import rt_helpers as h
 import torch
 from torch import nn
 
-from remat.errors import PlanMismatchError, RematError
+from remat.core.errors import PlanMismatchError, RematError
+from remat.core.plan import Plan, PlanTarget
+from remat.execute.planned import STATE_ATTR
 from remat.runtime import apply_plan, planned, remove_plan
-from remat.runtime.apply import STATE_ATTR
-from remat.solver import Plan
 
 MODELS = ["mlp", "cnn", "gpt", "hf-gpt2", "hf-bert"]
 PLANS = ["checkpoint", "selective", "mixed", "chain"]
@@ -101,7 +101,7 @@ def test_segment_holds_only_its_first_input() -> None:
 
 def test_segment_memory_measured() -> None:
     """Bytes held after the forward (memory meter): a segment holds only its input."""
-    from remat.meter import MemoryMeter
+    from remat.measurement.meter import MemoryMeter
 
     ref = h.build_model("mlp")
     names = h.unit_names("mlp", ref.model)
@@ -414,7 +414,8 @@ def test_missing_units_are_named() -> None:
 
 def test_wrong_unit_types_are_named() -> None:
     model = h.LoopModel()
-    plan = Plan.checkpoint_all(["blocks.0", "blocks.1"], unit_types=["Block", "GPT2Block"])
+    plan = Plan.checkpoint_all(["blocks.0", "blocks.1"],
+                               target=PlanTarget(unit_types=("Block", "GPT2Block")))
     with pytest.raises(PlanMismatchError, match=r"'blocks.1' is a Block in the model but a "
                                                 r"GPT2Block in the plan"):
         apply_plan(model, plan)
@@ -423,7 +424,7 @@ def test_wrong_unit_types_are_named() -> None:
 
 def test_wrong_device_is_named() -> None:
     model = h.LoopModel()
-    plan = Plan.checkpoint_all(["blocks.0"], device="cuda")
+    plan = Plan.checkpoint_all(["blocks.0"], target=PlanTarget(device="cuda"))
     with pytest.raises(PlanMismatchError, match=r"device 'cuda' but the model is on \['cpu'\]"):
         apply_plan(model, plan)
     assert _untouched(model)

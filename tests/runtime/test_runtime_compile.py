@@ -7,8 +7,8 @@ import rt_helpers as h
 import torch
 from torch import nn
 
+from remat.core.plan import Plan
 from remat.runtime import apply_plan
-from remat.solver import Plan
 
 
 def _graphs_and_breaks() -> tuple[int, int]:

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from remat.core.plan import Plan
 from remat.models import build
 from remat.runtime import apply_plan
-from remat.solver import Plan
 
 WORLD = 2
 STEPS = 2

@@ -22,7 +22,7 @@ def test_offload_and_segments_match_reference_on_cuda(name: str) -> None:
     names = h.unit_names(name, model)
     options = dict.fromkeys(names, "offload")
     options[names[0]] = options[names[1]] = "checkpoint"
-    plan = h.make_plan(model, names, options, ((0, 1),)).with_(device="cuda")
+    plan = h.make_plan(model, names, options, ((0, 1),)).with_target(device="cuda")
     apply_plan(model, plan)
     counters = h.count_first_children(model, names)
 

@@ -24,12 +24,12 @@ import torch
 from torch import Tensor, nn
 
 import remat
-from remat.bytesize import format_bytes
-from remat.errors import PlanError, PlanMismatchError, RematError, RematWarning
+from remat.core.bytesize import format_bytes
+from remat.core.errors import PlanError, PlanMismatchError, RematError, RematWarning
+from remat.core.plan import Plan, PlanRecord, PlanTarget
+from remat.execute.structure import unit_signature
 from remat.runtime import apply_plan, planned, remove_plan
 from remat.runtime.guard import scaled_peak
-from remat.runtime.structure import unit_signature
-from remat.solver import Plan
 
 WIDTH, BATCH, SEQ = 16, 4, 6
 NAMES = [f"blocks.{i}" for i in range(4)]
@@ -143,7 +143,7 @@ def _replace_a_unit(plan: Plan) -> None:
 
 
 def _wrong_signature_count(plan: Plan) -> None:
-    Plan(tuple(NAMES), ("keep",) * 4, unit_signatures=("1:abc",))
+    Plan(tuple(NAMES), ("keep",) * 4, target=PlanTarget(unit_signatures=("1:abc",)))
 
 
 def _writes_in_segment(plan: Plan) -> None:
@@ -254,13 +254,15 @@ def test_silent(case: Case, solved: Plan) -> None:
 # --------------------------------------------------------------------------- details
 def test_a_solved_plan_records_what_it_was_made_for(solved: Plan) -> None:
     model = net()
-    assert dict(solved.input_shapes or ()) == {"arg0": (BATCH, SEQ, WIDTH)}
-    assert solved.unit_signatures == tuple(unit_signature(model.get_submodule(n)) for n in NAMES)
-    assert solved.persistent_bytes is not None and solved.activation_peak_bytes is not None
-    assert 0 < solved.activation_peak_bytes < (solved.predicted_peak_bytes or 0)
+    assert dict(solved.target.input_shapes or ()) == {"arg0": (BATCH, SEQ, WIDTH)}
+    assert solved.target.unit_signatures == tuple(unit_signature(model.get_submodule(n))
+                                                  for n in NAMES)
+    record = solved.record
+    assert record.persistent_bytes is not None and record.activation_peak_bytes is not None
+    assert 0 < record.activation_peak_bytes < (record.predicted_peak_bytes or 0)
     again = Plan.from_json(solved.to_json())
     assert again == solved
-    assert json.loads(solved.to_json())["input_shapes"] == {"arg0": [BATCH, SEQ, WIDTH]}
+    assert json.loads(solved.to_json())["target"]["input_shapes"] == {"arg0": [BATCH, SEQ, WIDTH]}
 
 
 def test_a_new_shape_warns_once(solved: Plan) -> None:
@@ -275,16 +277,17 @@ def test_a_new_shape_warns_once(solved: Plan) -> None:
 
 
 def test_the_warning_scales_the_activation_peak() -> None:
-    plan = Plan(tuple(NAMES), ("checkpoint",) * 4, predicted_peak_bytes=10_000,
-                persistent_bytes=6_000, activation_peak_bytes=5_000, budget_bytes=10_000,
-                input_shapes={"arg0": (BATCH, SEQ, WIDTH)})
+    plan = Plan(tuple(NAMES), ("checkpoint",) * 4, budget_bytes=10_000,
+                record=PlanRecord(predicted_peak_bytes=10_000, persistent_bytes=6_000,
+                                  activation_peak_bytes=5_000),
+                target=PlanTarget(input_shapes={"arg0": (BATCH, SEQ, WIDTH)}))
     assert scaled_peak(plan, 1.0) == 11_000  # persistent + activations: at least the peak
     assert scaled_peak(plan, 4.0) == 26_000
     with pytest.warns(RematWarning) as caught:
         step(_planned(plan), batch(4 * BATCH))
     message = str(caught[0].message)
     assert format_bytes(26_000) in message and "above the budget" in message
-    older = plan.with_(activation_peak_bytes=None)  # a plan without the activation peak
+    older = plan.with_record(activation_peak_bytes=None)  # a plan without the activation peak
     assert scaled_peak(older, 4.0) == 6_000 + 4 * 4_000
 
 
@@ -295,11 +298,11 @@ def test_positional_and_keyword_calls_are_matched() -> None:
 
     torch.manual_seed(0)
     model = Keyworded()
-    plan = manual(model=model).with_(input_shapes={"x": (BATCH, SEQ, WIDTH)})
+    plan = manual(model=model).with_target(input_shapes={"x": (BATCH, SEQ, WIDTH)})
     apply_plan(model, plan, strict_shapes=True)
     with pytest.raises(PlanMismatchError, match=r"x \[8, 6, 16\]"):
         model(batch(2 * BATCH))  # profiled as model(**batch), called positionally
-    plan = plan.with_(input_shapes={"arg0": (BATCH, SEQ, WIDTH)})
+    plan = plan.with_target(input_shapes={"arg0": (BATCH, SEQ, WIDTH)})
     apply_plan(model, plan, strict_shapes=True)
     with pytest.raises(PlanMismatchError, match=r"arg0 \[8, 6, 16\]"):
         model(x=batch(2 * BATCH))

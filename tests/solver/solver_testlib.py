@@ -13,16 +13,10 @@ from dataclasses import dataclass, fields
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from remat.solver.loop import Loop
-from remat.solver.plan import Plan
-from remat.solver.profile import (
-    Option,
-    OptionCost,
-    OutsideCost,
-    Profile,
-    SharedTensor,
-    UnitProfile,
-)
+from remat.core.loop import Loop
+from remat.core.option import Option
+from remat.core.plan import Plan
+from remat.core.profile import OptionCost, OutsideCost, Profile, SharedTensor, UnitProfile
 from remat.solver.simulate import simulate
 
 KEEP, CKPT, SEL, OFF = (o.value for o in Option)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 from solver_testlib import KEEP, all_plans, keep_peak, segment_profiles, transformer_like
 
-from remat.errors import BudgetError, InfeasibleBudgetError, RematError
+from remat.core.errors import BudgetError, InfeasibleBudgetError, RematError
+from remat.core.plan import Plan
 from remat.solver import ilp as ilp_module
 from remat.solver.baselines import (
     chen_groups,
@@ -25,7 +26,6 @@ from remat.solver.dp import solve_dp
 from remat.solver.ilp import build_cp_model, solve_ilp
 from remat.solver.min_peak import min_peak_bytes
 from remat.solver.pareto import COLUMNS, min_feasible_peak, pareto_frontier
-from remat.solver.plan import Plan
 from remat.solver.simulate import simulate
 from remat.solver.solve import ALGORITHMS, UnknownMethodError, solve_profile
 
@@ -58,13 +58,13 @@ def test_every_method_returns_a_stamped_plan(method: str) -> None:
     params = {"workers": 1} if method == "ilp" else {}
     plan = solve_profile(PROFILE, None, method=method, **params)
     sim = simulate(PROFILE, plan)
-    assert plan.algorithm == ("dp" if method == "optimal" else method)
-    assert plan.status == ("optimal" if method in ("dp", "ilp", "optimal") else "feasible")
-    assert plan.fingerprint == PROFILE.fingerprint()
-    assert plan.unit_types == tuple(u.type_name for u in PROFILE.units)
+    assert plan.record.algorithm == ("dp" if method == "optimal" else method)
+    assert plan.record.status == ("optimal" if method in ("dp", "ilp", "optimal") else "feasible")
+    assert plan.target.unit_types == tuple(u.type_name for u in PROFILE.units)
     assert plan.budget_bytes is None
-    assert plan.solve_ms >= 0
-    assert (plan.predicted_peak_bytes, plan.predicted_time_ms) == (sim.peak_bytes, sim.time_ms)
+    assert plan.record.solve_ms >= 0
+    record = plan.record
+    assert (record.predicted_peak_bytes, record.predicted_time_ms) == (sim.peak_bytes, sim.time_ms)
     if method in ("dp", "ilp", "optimal", "none"):
         assert plan.options == (KEEP,) * PROFILE.n and sim.peak_bytes == budget
 
@@ -74,7 +74,7 @@ def test_solve_profile_parses_the_budget() -> None:
     persistent = PROFILE.fixed_bytes + PROFILE.grad_bytes
     plan = solve_profile(PROFILE, "70%")  # of the activation memory
     expected = persistent + math.floor(0.7 * (reference - persistent))
-    assert plan.budget_bytes == expected >= plan.predicted_peak_bytes
+    assert plan.budget_bytes == expected >= plan.record.predicted_peak_bytes
     assert solve_profile(PROFILE, "70% of peak").budget_bytes == math.floor(0.7 * reference)
     assert solve_profile(PROFILE, "400 MiB").budget_bytes == 400 * 2**20
     assert solve_profile(PROFILE, "0.4 GB").budget_bytes == 400_000_000
@@ -86,13 +86,13 @@ def test_solve_profile_parses_the_budget() -> None:
 def test_a_heuristic_that_cannot_fit_points_to_optimal() -> None:
     floor = min_peak_bytes(PROFILE)
     chen = chen_plan(PROFILE)
-    assert chen.predicted_peak_bytes > floor  # so a budget between the two exists
+    assert chen.record.predicted_peak_bytes > floor  # so a budget between the two exists
     budget = floor
     with pytest.raises(InfeasibleBudgetError) as err:
         solve_profile(PROFILE, budget, method="chen")
     assert "method='optimal'" in str(err.value)
-    assert err.value.min_feasible_bytes == chen.predicted_peak_bytes
-    assert solve_profile(PROFILE, budget).predicted_peak_bytes <= budget
+    assert err.value.min_feasible_bytes == chen.record.predicted_peak_bytes
+    assert solve_profile(PROFILE, budget).record.predicted_peak_bytes <= budget
 
 
 @pytest.mark.parametrize("method", ["none", "all", "uniform", "chen", "chen-greedy", "dp"])
@@ -134,9 +134,9 @@ def test_uniform_with_a_budget_takes_the_fastest_fitting_k() -> None:
     plan = uniform_plan(PROFILE, budget)
     fitting = [
         p for p in (uniform_plan(PROFILE, k=k) for k in range(1, PROFILE.n + 1))
-        if p.predicted_peak_bytes <= budget
+        if p.record.predicted_peak_bytes <= budget
     ]
-    assert plan.predicted_time_ms == min(p.predicted_time_ms for p in fitting)
+    assert plan.record.predicted_time_ms == min(p.record.predicted_time_ms for p in fitting)
     with pytest.raises(ValueError, match="1 <= k <= 12"):
         uniform_plan(PROFILE, k=13)
 
@@ -220,15 +220,15 @@ def test_ilp_with_a_hint_reaches_the_same_optimum() -> None:
     budget = (min_peak_bytes(PROFILE) + keep_peak(PROFILE)) // 2
     dp = solve_dp(PROFILE, budget)
     hinted = solve_ilp(PROFILE, budget, hint=dp, workers=1)
-    assert hinted.status == "optimal"
-    assert abs(hinted.predicted_time_ms - dp.predicted_time_ms) <= PROFILE.n * 1e-6
+    assert hinted.record.status == "optimal"
+    assert abs(hinted.record.predicted_time_ms - dp.record.predicted_time_ms) <= PROFILE.n * 1e-6
 
 
 def test_ilp_ignores_a_hint_that_does_not_fit(caplog: pytest.LogCaptureFixture) -> None:
     budget = (min_peak_bytes(PROFILE) + keep_peak(PROFILE)) // 2
     keep = Plan.keep_all([u.name for u in PROFILE.units])
     plan = solve_ilp(PROFILE, budget, hint=keep, workers=1)
-    assert plan.predicted_peak_bytes <= budget
+    assert plan.record.predicted_peak_bytes <= budget
     assert "ignoring it" in caplog.text
 
 
@@ -242,7 +242,7 @@ def test_ilp_reports_feasible_when_cp_sat_stops_without_proof(
 
     monkeypatch.setattr(ilp_module.cp_model, "CpSolver", Unproven)
     plan = solve_ilp(PROFILE, keep_peak(PROFILE) - 1, workers=1)
-    assert plan.status == "feasible"
+    assert plan.record.status == "feasible"
 
 
 def test_ilp_without_a_plan_in_time_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

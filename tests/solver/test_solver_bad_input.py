@@ -8,11 +8,10 @@ import math
 import pytest
 from solver_testlib import KEEP, keep_peak, transformer_like
 
-from remat.errors import BudgetError, RematError
+from remat.core.errors import BudgetError, ParameterError, RematError, UnknownParameterError
 from remat.solver.baselines import chen_greedy_plan, uniform_groups, uniform_plan
 from remat.solver.dp import solve_dp
 from remat.solver.ilp import solve_ilp
-from remat.solver.params import ParameterError, UnknownParameterError
 from remat.solver.pareto import frontier_plans, pareto_frontier
 from remat.solver.solve import ALGORITHMS, UnknownMethodError, solve_profile
 
@@ -31,16 +30,16 @@ def test_a_budget_above_the_no_checkpoint_peak_keeps_everything(solve, above: in
     budget = keep_peak(PROFILE) + above
     plan = solve(PROFILE, budget)
     assert plan.options == (KEEP,) * PROFILE.n and plan.segments == ()
-    assert plan.status == "optimal"
+    assert plan.record.status == "optimal"
     assert plan.budget_bytes == budget  # the user's budget, as given
-    assert plan.predicted_time_ms == pytest.approx(PROFILE.step_ms)
+    assert plan.record.predicted_time_ms == pytest.approx(PROFILE.step_ms)
 
 
 @pytest.mark.parametrize("method", sorted(ALGORITHMS))
 def test_every_method_takes_a_huge_budget(method: str) -> None:
     plan = solve_profile(PROFILE, 2**64, method=method)
     assert plan.budget_bytes == 2**64
-    assert plan.predicted_peak_bytes <= 2**64
+    assert plan.record.predicted_peak_bytes <= 2**64
 
 
 @pytest.mark.parametrize("method", sorted(ALGORITHMS))

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from remat.errors import BudgetError
-from remat.solver.budget import parse_budget
+from remat.core.budget import parse_budget
+from remat.core.errors import BudgetError
 
 
 @pytest.mark.parametrize(

@@ -10,15 +10,10 @@ import pytest
 from solver_testlib import keep_peak, transformer_like
 
 from remat import of_activations, of_peak
-from remat.errors import BudgetError
-from remat.solver.budget import (
-    RelativeBudget,
-    check_budget,
-    parse_budget,
-    persistent_bytes,
-    resolve_budget,
-)
-from remat.solver.loop import Loop
+from remat.core.budget import RelativeBudget, check_budget, parse_budget
+from remat.core.errors import BudgetError
+from remat.core.loop import Loop
+from remat.solver.resolve import resolve_budget
 
 PROFILE = transformer_like(6, seed=2)
 
@@ -51,7 +46,7 @@ def test_persistent_is_params_state_and_gradients_in_every_loop(loop: Loop) -> N
     """Every plan's step holds all gradients by the end of backward, so they are persistent
     whether the loop allocates them in the backward pass or keeps them from the start."""
     profile = dataclasses.replace(PROFILE, loop=loop, optimizer_state_bytes=3 << 20)
-    persistent = persistent_bytes(profile)
+    persistent = profile.persistent_bytes
     assert persistent == profile.param_bytes + profile.buffer_bytes + (3 << 20) + profile.grad_bytes
     assert persistent <= keep_peak(profile)
     assert resolve_budget("50%", profile) == _activation_share(profile, 0.5)

@@ -22,7 +22,8 @@ def _loaded_after(code: str) -> set[str]:
     "import remat.solver",
     "import remat.solver.solve",
     "import remat.solver.pareto",
-    "from remat.solver import solve_profile, ALGORITHMS, Profile, Plan, simulate, solve_dp",
+    "from remat.solver import solve_profile, ALGORITHMS, simulate, solve_dp",
+    "from remat.core import budget, checks, errors, loop, option, plan, profile",
 ])
 def test_importing_the_solver_loads_nothing_heavy(code: str) -> None:
     assert _loaded_after(code) == set()

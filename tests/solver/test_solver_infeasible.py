@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solver_testlib import KEEP, Scored, cost, profiles, segment_profiles, unit
 
-from remat.bytesize import format_bytes
-from remat.errors import InfeasibleBudgetError
+from remat.core.bytesize import format_bytes
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.profile import Profile
 from remat.solver.baselines import chen_plan
 from remat.solver.dp import solve_dp
 from remat.solver.ilp import solve_ilp
 from remat.solver.min_peak import min_peak_bytes
-from remat.solver.profile import Profile
 from remat.solver.simulate import simulate
 from remat.solver.solve import ALGORITHMS, solve_profile
 
@@ -84,10 +84,10 @@ def test_a_heuristic_reports_where_its_own_plan_peaks() -> None:
     )
     chen = chen_plan(profile)
     budget = min_peak_bytes(profile)
-    assert chen.predicted_peak_bytes > budget
+    assert chen.record.predicted_peak_bytes > budget
     with pytest.raises(InfeasibleBudgetError) as info:
         solve_profile(profile, budget, method="chen")
     sim = simulate(profile, chen)
-    assert info.value.min_feasible_bytes == chen.predicted_peak_bytes
+    assert info.value.min_feasible_bytes == chen.record.predicted_peak_bytes
     assert (info.value.peak_event, info.value.peak_parts) == (sim.peak_event, sim.peak_parts)
     assert "method='optimal'" in str(info.value)

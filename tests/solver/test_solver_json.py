@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from solver_testlib import CKPT, KEEP, cost, transformer_like, unit
 
-from remat.errors import PlanError, PlanMismatchError, ProfileError
-from remat.solver import json_io
+from remat.core import json_io
+from remat.core.errors import PlanError, PlanMismatchError, ProfileError
+from remat.core.fields import MAX_BYTES
+from remat.core.plan import Plan, PlanRecord
+from remat.core.profile import OptionCost, OutsideCost, Profile
 from remat.solver.dp import solve_dp
-from remat.solver.field_checks import MAX_BYTES
-from remat.solver.plan import Plan
-from remat.solver.profile import OptionCost, OutsideCost, Profile
 
 PROFILE = transformer_like(3, seed=0)
 PLAN = solve_dp(PROFILE, None)
@@ -237,13 +237,24 @@ PLAN_CASES = [
     ("budget-bool", "budget_bytes", True, PlanError, ["Plan.budget_bytes", "an int"]),
     ("budget-negative", "budget_bytes", -1, PlanError, ["Plan.budget_bytes", "at least 0"]),
     ("budget-float", "budget_bytes", 1e300, PlanError, ["Plan.budget_bytes", "an int"]),
-    ("time-negative", "predicted_time_ms", -1.0, PlanError, ["Plan.predicted_time_ms"]),
-    ("time-inf", "predicted_time_ms", math.inf, PlanError, ["Plan.predicted_time_ms", "finite"]),
-    ("time-string", "predicted_time_ms", "1 ms", PlanError, ["Plan.predicted_time_ms"]),
-    ("solve-ms-nan", "solve_ms", math.nan, PlanError, ["Plan.solve_ms", "finite"]),
-    ("peak-huge", "predicted_peak_bytes", 2**70, PlanError, ["Plan.predicted_peak_bytes"]),
-    ("status-number", "status", 1, PlanError, ["Plan.status", "string"]),
-    ("types-string", "unit_types", "Block", PlanError, ["Plan.unit_types must be a list"]),
+    ("time-negative", ("record", "predicted_time_ms"), -1.0, PlanError,
+     ["Plan.record.predicted_time_ms"]),
+    ("time-inf", ("record", "predicted_time_ms"), math.inf, PlanError,
+     ["Plan.record.predicted_time_ms", "finite"]),
+    ("time-string", ("record", "predicted_time_ms"), "1 ms", PlanError,
+     ["Plan.record.predicted_time_ms"]),
+    ("solve-ms-nan", ("record", "solve_ms"), math.nan, PlanError,
+     ["Plan.record.solve_ms", "finite"]),
+    ("peak-huge", ("record", "predicted_peak_bytes"), 2**70, PlanError,
+     ["Plan.record.predicted_peak_bytes"]),
+    ("status-number", ("record", "status"), 1, PlanError, ["Plan.record.status", "string"]),
+    ("record-unknown-key", ("record", "bogus"), 1, PlanError, ["'record'", "unknown keys"]),
+    ("record-not-object", ("record",), "dp", PlanError, ["'record'", "JSON object"]),
+    ("types-string", ("target", "unit_types"), "Block", PlanError,
+     ["Plan.target.unit_types must be a list"]),
+    ("verification-negative", ("verification",), {"rounds": 1, "solved_budget_bytes": 10,
+                                                  "measured_peak_bytes": -5}, PlanError,
+     ["Plan.verification.measured_peak_bytes"]),
     ("schema-version", "schema_version", 7, PlanMismatchError, ["schema_version 7"]),
 ]
 
@@ -251,9 +262,10 @@ PLAN_CASES = [
 @pytest.mark.parametrize(("key", "value", "error", "phrases"), [c[1:] for c in PLAN_CASES],
                          ids=[c[0] for c in PLAN_CASES])
 def test_malformed_plans(
-    tmp_path: Path, key: str, value: object, error: type, phrases: list
+    tmp_path: Path, key: str | tuple[str, ...], value: object, error: type, phrases: list
 ) -> None:
-    d = _edit(("plan", key), None, delete=True) if value is _DEL else _edit(("plan", key), value)
+    path = ("plan", *key) if isinstance(key, tuple) else ("plan", key)
+    d = _edit(path, None, delete=True) if value is _DEL else _edit(path, value)
     file = tmp_path / "plan.json"
     file.write_text(json.dumps(d))
     with pytest.raises(error) as err:
@@ -262,6 +274,30 @@ def test_malformed_plans(
     assert "plan.json" in message
     for phrase in phrases:
         assert phrase in message
+
+
+def test_a_version_2_plan_is_read() -> None:
+    # Version 2 kept every field flat; it is read into the decision and its records.
+    v2 = {"schema_version": 2, "unit_names": list(PLAN.unit_names),
+          "options": list(PLAN.options), "segments": [list(s) for s in PLAN.segments],
+          "algorithm": "dp", "status": "optimal", "solve_ms": 1.5,
+          "budget_bytes": 1000, "predicted_peak_bytes": 900, "predicted_time_ms": 12.0,
+          "fingerprint": "0123456789abcdef", "unit_types": ["T"] * PLAN.n, "device": "cpu",
+          "compiled_peak_bytes": None, "compiled_time_ms": None,
+          "activation_memory_budget": None, "loop": {"accumulation_steps": 2},
+          "measured_peak_bytes": 950, "measured_time_ms": 13.0, "verify_rounds": 1,
+          "solved_budget_bytes": 1000, "input_shapes": {"arg0": [4, 8]},
+          "unit_signatures": None, "persistent_bytes": 100, "activation_peak_bytes": 800}
+    plan = Plan.from_dict(v2)
+    assert plan.options == PLAN.options and plan.budget_bytes == 1000
+    assert plan.record.algorithm == "dp" and plan.record.predicted_peak_bytes == 900
+    assert plan.target.loop is not None and plan.target.loop.accumulation_steps == 2
+    assert plan.target.input_shapes == (("arg0", (4, 8)),)
+    assert plan.verification is not None and plan.verification.measured_peak_bytes == 950
+    assert plan.compiled is None
+    assert Plan.from_json(plan.to_json()) == plan  # and written back as version 3
+    with pytest.raises(PlanError, match="unknown keys"):
+        Plan.from_dict({**v2, "bogus": 1})
 
 
 def test_a_huge_budget_round_trips() -> None:
@@ -299,12 +335,14 @@ def test_bad_values_are_refused_at_construction(build: Any, phrase: str) -> None
     ({"unit_names": ("a", "b"), "options": "kk"}, "Plan.options must be a list"),
     ({"unit_names": ("a", "b"), "options": (CKPT, CKPT), "segments": None},
      "Plan.segments must be a list"),
-    ({"unit_names": ("a",), "options": (KEEP,), "solve_ms": -1.0}, "Plan.solve_ms"),
     ({"unit_names": ("a",), "options": (KEEP,), "budget_bytes": 1.5}, "Plan.budget_bytes"),
+    ({"unit_names": ("a",), "options": (KEEP,), "record": "dp"}, "Plan.record must be a"),
 ])
 def test_bad_plans_are_refused_at_construction(kwargs: dict, phrase: str) -> None:
     with pytest.raises(PlanError, match=phrase):
         Plan(**kwargs)
+    with pytest.raises(PlanError, match="Plan.record.solve_ms"):
+        PlanRecord(solve_ms=-1.0)
 
 
 def test_numpy_scalars_become_python_numbers() -> None:

@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solver_testlib import CKPT, KEEP, cost, keep_peak, profiles, segment_profiles, unit
 
+from remat.core.profile import Profile
 from remat.solver.baselines import checkpoint_all_plan, chen_plan, keep_all_plan, uniform_plan
 from remat.solver.dp import solve_dp
 from remat.solver.min_peak import min_peak_bytes
 from remat.solver.pareto import frontier_plans, pareto_frontier
-from remat.solver.profile import Profile
 
 TOL = 1e-9
 
@@ -48,17 +48,18 @@ def test_the_frontier_is_a_frontier(profile: Profile, points: int) -> None:
     assert (rows.peak_bytes <= rows.budget_bytes).all()
     # Every sampled budget's optimum is a row that fits it.
     for budget in budgets:
-        best = solve_dp(profile, budget).predicted_time_ms
+        best = solve_dp(profile, budget).record.predicted_time_ms
         fitting = [t for p, t in zip(peaks, times) if p <= budget]
         assert fitting and min(fitting) == pytest.approx(best, abs=TOL)
     # frontier_plans: the same plans, each once, fastest first.
     plans = frontier_plans(profile, points=points)
-    assert sorted((p.predicted_peak_bytes, p.predicted_time_ms) for p in plans) == sorted(
+    records = [p.record for p in plans]
+    assert sorted((r.predicted_peak_bytes, r.predicted_time_ms) for r in records) == sorted(
         zip(peaks, times)
     )
     assert len({(p.options, p.segments) for p in plans}) == len(plans)
-    assert [p.predicted_time_ms for p in plans] == sorted(p.predicted_time_ms for p in plans)
-    assert all(p.predicted_peak_bytes <= p.budget_bytes for p in plans)
+    assert [r.predicted_time_ms for r in records] == sorted(r.predicted_time_ms for r in records)
+    assert all(p.record.predicted_peak_bytes <= p.budget_bytes for p in plans)
 
 
 def _baseline_plans(profile: Profile) -> list:

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solver_testlib import KEEP, all_plans, cost, profiles, unit
 
-from remat.solver.plan import Plan
-from remat.solver.profile import Profile
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 from remat.solver.simulate import PEAK_PARTS, simulate
 
 

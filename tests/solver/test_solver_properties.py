@@ -21,7 +21,9 @@ from solver_testlib import (
     transformer_like,
 )
 
-from remat.errors import InfeasibleBudgetError
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 from remat.solver import dp as dp_module
 from remat.solver.baselines import (
     checkpoint_all_plan,
@@ -35,8 +37,6 @@ from remat.solver.events import build_model, plan_peak_bytes
 from remat.solver.ilp import solve_ilp
 from remat.solver.min_peak import min_peak_bytes
 from remat.solver.pareto import min_feasible_peak
-from remat.solver.plan import Plan
-from remat.solver.profile import Profile
 from remat.solver.simulate import simulate
 
 SETTINGS = settings(
@@ -61,10 +61,9 @@ def _ilp_tolerance(profile: Profile) -> float:
 
 def _check_fits(profile: Profile, plan: Plan, budget: int) -> None:
     sim = simulate(profile, plan)
-    assert plan.predicted_peak_bytes == sim.peak_bytes <= budget
-    assert plan.predicted_time_ms == pytest.approx(sim.time_ms)
-    assert plan.fingerprint == profile.fingerprint()
-    assert plan.device == profile.device.split(":")[0]
+    assert plan.record.predicted_peak_bytes == sim.peak_bytes <= budget
+    assert plan.record.predicted_time_ms == pytest.approx(sim.time_ms)
+    assert plan.target.device == profile.device.split(":")[0]
     assert plan.budget_bytes == budget
 
 
@@ -86,9 +85,9 @@ def test_dp_ilp_and_brute_force_agree(profile: Profile, frac: float) -> None:
         ilp = solve_ilp(profile, budget, workers=1)
         _check_fits(profile, dp, budget)
         _check_fits(profile, ilp, budget)
-        assert dp.status == ilp.status == "optimal"
-        assert dp.predicted_time_ms == pytest.approx(best, abs=1e-9)
-        assert abs(ilp.predicted_time_ms - best) <= _ilp_tolerance(profile)
+        assert dp.record.status == ilp.record.status == "optimal"
+        assert dp.record.predicted_time_ms == pytest.approx(best, abs=1e-9)
+        assert abs(ilp.record.predicted_time_ms - best) <= _ilp_tolerance(profile)
         event("optimum uses segments" if dp.segments else "optimum without segments")
 
 
@@ -97,7 +96,7 @@ def test_dp_ilp_and_brute_force_agree(profile: Profile, frac: float) -> None:
 def test_heuristics_never_beat_the_optimum(profile: Profile, frac: float) -> None:
     scored = Scored.of(profile)
     budget = scored.min_peak + int(frac * (keep_peak(profile) - scored.min_peak))
-    optimum = solve_dp(profile, budget).predicted_time_ms
+    optimum = solve_dp(profile, budget).record.predicted_time_ms
     heuristics = [
         chen_plan, uniform_plan, chen_greedy_plan, checkpoint_all_plan, keep_all_plan,
         lambda p, b: uniform_plan(p, b, k=max(1, p.n // 2)),
@@ -110,12 +109,12 @@ def test_heuristics_never_beat_the_optimum(profile: Profile, frac: float) -> Non
             assert "method='optimal'" in str(err) or budget < scored.min_peak
             continue
         _check_fits(profile, plan, budget)
-        assert plan.status == "feasible"
-        assert plan.predicted_time_ms >= optimum - 1e-9
+        assert plan.record.status == "feasible"
+        assert plan.record.predicted_time_ms >= optimum - 1e-9
         # And at the heuristic's own peak the optimum is at least as fast.
         free = heuristic(profile, None)
-        own = solve_dp(profile, free.predicted_peak_bytes).predicted_time_ms
-        assert own <= free.predicted_time_ms + 1e-9
+        own = solve_dp(profile, free.record.predicted_peak_bytes).record.predicted_time_ms
+        assert own <= free.record.predicted_time_ms + 1e-9
 
 
 @SETTINGS
@@ -125,7 +124,7 @@ def test_a_larger_budget_never_costs_more_time(profile: Profile, f1: float, f2: 
     small, large = sorted(lo + int(f * (hi - lo)) for f in (f1, f2))
     tight = solve_dp(profile, small)
     loose = solve_dp(profile, large)
-    assert loose.predicted_time_ms <= tight.predicted_time_ms + 1e-9
+    assert loose.record.predicted_time_ms <= tight.record.predicted_time_ms + 1e-9
 
 
 @SETTINGS
@@ -135,7 +134,7 @@ def test_at_the_no_checkpoint_peak_everything_is_kept(profile: Profile, extra: i
     for plan in (solve_dp(profile, budget), solve_ilp(profile, budget, workers=1)):
         assert plan.options == (KEEP,) * profile.n
         assert plan.segments == ()
-        assert plan.predicted_time_ms == pytest.approx(profile.step_ms)
+        assert plan.record.predicted_time_ms == pytest.approx(profile.step_ms)
 
 
 @SETTINGS
@@ -170,7 +169,7 @@ def test_dp_is_exact_whatever_the_first_upper_bound(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(dp_module, "BEAM_WIDTH", width)
         plan = solve_dp(profile, budget)
-    assert plan.predicted_time_ms == pytest.approx(scored.best_time(budget), abs=1e-9)
+    assert plan.record.predicted_time_ms == pytest.approx(scored.best_time(budget), abs=1e-9)
 
 
 @settings(max_examples=25, deadline=None)
@@ -180,8 +179,9 @@ def test_dp_and_ilp_agree_beyond_brute_force(profile: Profile, frac: float) -> N
     budget = lo + int(frac * frac * (keep_peak(profile) - lo))  # mostly tight budgets
     dp = solve_dp(profile, budget)
     ilp = solve_ilp(profile, budget, workers=1)
-    assert ilp.status == "optimal"
-    assert abs(ilp.predicted_time_ms - dp.predicted_time_ms) <= _ilp_tolerance(profile)
+    assert ilp.record.status == "optimal"
+    gap = ilp.record.predicted_time_ms - dp.record.predicted_time_ms
+    assert abs(gap) <= _ilp_tolerance(profile)
 
 
 def _unpruned_optimum_ms(profile: Profile, budget: int) -> float:
@@ -203,8 +203,8 @@ def test_branch_and_bound_keeps_the_optimum_on_realistic_profiles(n: int, frac: 
     lo = min_peak_bytes(profile)
     budget = lo + int(frac * (keep_peak(profile) - lo))
     plan = solve_dp(profile, budget)
-    assert plan.predicted_peak_bytes <= budget
-    assert plan.predicted_time_ms == pytest.approx(_unpruned_optimum_ms(profile, budget))
+    assert plan.record.predicted_peak_bytes <= budget
+    assert plan.record.predicted_time_ms == pytest.approx(_unpruned_optimum_ms(profile, budget))
 
 
 @pytest.mark.parametrize("frac", [0.0, 0.1, 0.5])
@@ -214,8 +214,9 @@ def test_cp_sat_proves_the_dp_optimal_on_a_small_realistic_profile(frac: float) 
     budget = lo + int(frac * (keep_peak(profile) - lo))
     dp = solve_dp(profile, budget)
     ilp = solve_ilp(profile, budget, workers=1)
-    assert ilp.status == "optimal"
-    assert abs(ilp.predicted_time_ms - dp.predicted_time_ms) <= _ilp_tolerance(profile)
+    assert ilp.record.status == "optimal"
+    gap = ilp.record.predicted_time_ms - dp.record.predicted_time_ms
+    assert abs(gap) <= _ilp_tolerance(profile)
 
 
 @settings(max_examples=60, deadline=None)
@@ -229,6 +230,6 @@ def test_the_beam_pass_always_ends_with_a_plan(profile: Profile, frac: float) ->
     beam = dp_module._Solver(model, budget, dp_module._TimeBound(model, budget), beam=1)
     beam.run()
     assert beam.best_end() is not None
-    assert solve_dp(profile, budget).predicted_time_ms == pytest.approx(
+    assert solve_dp(profile, budget).record.predicted_time_ms == pytest.approx(
         _unpruned_optimum_ms(profile, budget)
     )

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from solver_testlib import CKPT, KEEP, cost, unit
 
-from remat.solver.plan import Plan
-from remat.solver.profile import Profile
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 from remat.solver.simulate import simulate
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import pytest
 from solver_testlib import CKPT, KEEP, SEL, brute_force, brute_min_peak, cost, unit
 
-from remat.errors import InfeasibleBudgetError
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.plan import Plan
+from remat.core.profile import OutsideCost, Profile
 from remat.solver.baselines import chen_plan, uniform_plan
 from remat.solver.dp import solve_dp
 from remat.solver.ilp import solve_ilp
 from remat.solver.min_peak import min_peak_bytes
-from remat.solver.plan import Plan
-from remat.solver.profile import OutsideCost, Profile
 from remat.solver.simulate import simulate
 
 SOLVERS = [solve_dp, solve_ilp]
@@ -67,8 +67,8 @@ def test_two_units(solve, budget: int, options: tuple[str, str], time_ms: float)
     plan = solve(TWO, budget)
     assert plan.options == options
     assert plan.segments == ()
-    assert plan.predicted_time_ms == pytest.approx(time_ms)
-    assert plan.predicted_peak_bytes <= budget
+    assert plan.record.predicted_time_ms == pytest.approx(time_ms)
+    assert plan.record.predicted_peak_bytes <= budget
     assert brute_force(TWO, budget)[0] == pytest.approx(time_ms)
 
 
@@ -106,15 +106,15 @@ def test_multi_unit_segment_beats_per_unit_checkpoint(solve) -> None:
     plan = solve(SEGMENT, 120)
     assert plan.segments == ((0, 2),)
     assert plan.options == (CKPT, CKPT, CKPT)
-    assert plan.predicted_peak_bytes == 120
-    assert plan.predicted_time_ms == pytest.approx(103.0)
+    assert plan.record.predicted_peak_bytes == 120
+    assert plan.record.predicted_time_ms == pytest.approx(103.0)
 
 
 @pytest.mark.parametrize("solve", SOLVERS)
 def test_segment_ties_at_a_looser_budget(solve) -> None:
     # At 135 one unit may be kept: segment 0-1 + keep u2, or keep u0 + segment 1-2: +2 ms.
     plan = solve(SEGMENT, 135)
-    assert plan.predicted_time_ms == pytest.approx(102.0)
+    assert plan.record.predicted_time_ms == pytest.approx(102.0)
     assert len(plan.segments) == 1
     assert plan.options.count(KEEP) == 1
 
@@ -138,8 +138,8 @@ SELECTIVE = _chain(
 def test_selective_beats_checkpoint(solve, budget: int, option: str, time_ms: float) -> None:
     plan = solve(SELECTIVE, budget)
     assert plan.options == (option, KEEP)
-    assert plan.predicted_time_ms == pytest.approx(time_ms)
-    assert plan.predicted_peak_bytes <= budget
+    assert plan.record.predicted_time_ms == pytest.approx(time_ms)
+    assert plan.record.predicted_peak_bytes <= budget
 
 
 # Off a chain each unit's input and output are boundaries of their own (10 B each;
@@ -165,8 +165,8 @@ def test_non_chain_uses_no_segments(solve) -> None:
     plan = solve(FREE, 140)
     assert plan.segments == ()
     assert plan.options == (KEEP, CKPT, KEEP)
-    assert plan.predicted_time_ms == pytest.approx(101.0)
-    assert plan.predicted_peak_bytes == 140
+    assert plan.record.predicted_time_ms == pytest.approx(101.0)
+    assert plan.record.predicted_peak_bytes == 140
 
 
 def test_segment_heuristics_fall_back_to_per_unit_checkpoint_off_a_chain() -> None:

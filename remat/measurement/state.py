@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from remat.errors import ProfileError
+from remat.core.errors import ProfileError
 
 __all__ = ["ModelState", "RngState", "check_not_lazy", "clear_grads", "training_session"]
 

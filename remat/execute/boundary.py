@@ -25,18 +25,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from remat.runtime.kv_cache import is_kv_cache
+from remat.execute.kv_cache import is_kv_cache
 
-__all__ = ["Slot", "boundary_input", "boundary_output", "storage_nbytes"]
+__all__ = ["Slot", "boundary_input", "boundary_output"]
 
 Slot = int | str  # where a call takes its boundary input: a positional index or a keyword
-
-
-def storage_nbytes(t: torch.Tensor | None) -> int:
-    """Bytes of the storage behind ``t`` (0 for ``None`` or a non-strided tensor)."""
-    if t is None or t.layout != torch.strided:
-        return 0
-    return t.untyped_storage().nbytes()
 
 
 def boundary_input(

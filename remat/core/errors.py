@@ -7,18 +7,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from remat.bytesize import format_bytes
+from remat.core.bytesize import format_bytes
 
 __all__ = [
+    "ArgumentError",
     "BudgetError",
     "InfeasibleBudgetError",
+    "LoopError",
     "LossNotFoundError",
     "NoUnitsError",
+    "ParameterError",
     "PlanError",
     "PlanMismatchError",
     "ProfileError",
     "RematError",
     "RematWarning",
+    "UnknownParameterError",
 ]
 
 
@@ -29,6 +33,22 @@ class RematError(Exception):
 class RematWarning(UserWarning):
     """A warning remat gives on purpose (a planned model met inputs larger than it was
     planned for, a unit that cannot be recomputed runs unplanned...)."""
+
+
+class ArgumentError(RematError, TypeError):
+    """An argument of the wrong kind: a path where a Plan goes, a string for an optimizer."""
+
+
+class ParameterError(RematError, ValueError):
+    """An algorithm parameter (or a count such as ``points=``) of the wrong type or range."""
+
+
+class UnknownParameterError(RematError, TypeError):
+    """A keyword parameter the chosen algorithm does not take."""
+
+
+class LoopError(RematError, ValueError):
+    """A training-loop description that is out of range."""
 
 
 class BudgetError(RematError, ValueError):

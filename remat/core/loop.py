@@ -28,16 +28,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from remat.errors import RematError
+from remat.core.errors import LoopError
 
-__all__ = ["AUTOCAST_DTYPES", "Loop", "LoopError"]
+__all__ = ["AUTOCAST_DTYPES", "Loop", "loop_or_default"]
 
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 _AUTOCAST_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
-class LoopError(RematError, ValueError):
-    """A training-loop description that is out of range."""
 
 
 @dataclass(frozen=True)
@@ -132,3 +128,9 @@ class Loop:
             steps = int(steps)
         return cls(accumulation_steps=steps, keep_output=False, set_to_none=True,
                    autocast=autocast, grad_scaler=fp16)
+
+
+def loop_or_default(loop: Loop | None) -> Loop:
+    """``loop``, or the default :class:`Loop` (a plain loop that keeps the output) for
+    ``None``: the one place the default is made, for every entry point that takes a loop."""
+    return Loop() if loop is None else loop

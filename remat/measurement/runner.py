@@ -1,6 +1,6 @@
 """The training step remat measures is the step the user runs: one runner for a :class:`Loop`.
 
-:class:`StepRunner` runs the loop a :class:`~remat.solver.loop.Loop` describes on
+:class:`StepRunner` runs the loop a :class:`~remat.core.loop.Loop` describes on
 one model and batch, in pieces the profiler instruments (the forward under
 autocast, the backward through a gradient scaler, the optimizer step) and whole
 (:meth:`StepRunner.optimizer_step_cycle`: every micro-batch of one optimizer step,
@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import LossNotFoundError, ProfileError
-from remat.solver.loop import Loop
+from remat.core.errors import LossNotFoundError, ProfileError
+from remat.core.loop import Loop
 
-__all__ = ["Carry", "LossFn", "StepRunner", "call_model", "compute_loss", "output_tensors"]
+__all__ = ["Carry", "LossFn", "StepRunner", "call_model", "compute_loss", "forward_loss",
+           "model_device", "output_tensors"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -40,6 +41,18 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); CPU for an empty model."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """Run the forward pass and return the loss; the output itself is not kept."""
+    return compute_loss(call_model(model, batch), batch, loss_fn)
 
 
 def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
@@ -110,7 +123,7 @@ class StepRunner:
         model, batch, loss_fn: the model, one micro-batch, and how to get its loss
             (``None``: the output's ``.loss``).
         optimizer: stepped after the last micro-batch (``None``: no optimizer step).
-        loop: the training loop (:class:`~remat.solver.loop.Loop`).
+        loop: the training loop (:class:`~remat.core.loop.Loop`).
         device_type: the model's device type, for autocast and the gradient scaler.
     """
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 
 __all__ = [
     "MAX_BYTES",

@@ -1,6 +1,6 @@
 """An allocator-level memory instrument: what the allocator hands out during a step.
 
-remat's own meter (:class:`remat.meter.MemoryMeter`) counts live tensor storages
+remat's own meter (:class:`remat.measurement.meter.MemoryMeter`) counts live tensor storages
 at the dispatch level. Two things escape it:
 
 * scratch buffers that kernels allocate internally without going through the
@@ -111,7 +111,7 @@ def allocator_peak(step_fn: Callable[[], object], device_type: str = "cpu") -> i
     return peak_of(allocation_events(step_fn), device_type)
 
 
-_MARK = "remat.allocator.mark."
+_MARK = "remat.measurement.allocator.mark."
 
 
 @dataclass

@@ -18,9 +18,10 @@ The whole-peak meaning stays reachable under an explicit name: ``"60% of peak"``
 (or :func:`of_peak`) is 60% of the no-checkpoint peak, parameters included;
 ``"60% of activations"`` (or :func:`of_activations`) spells the default out.
 
-:func:`check_budget` reads a budget without the profile (percentages stay
-relative), so callers can reject a malformed budget before profiling;
-:func:`resolve_budget` turns any budget into bytes for a profile.
+:func:`check_budget` reads a budget once, without the profile, into a
+:data:`Budget` value (bytes, or a :class:`RelativeBudget`): entry points read it
+before profiling, so a malformed budget costs nothing, and pass the value on.
+:func:`remat.solver.resolve.resolve_budget` turns it into bytes for a profile.
 """
 
 from __future__ import annotations
@@ -30,23 +31,18 @@ import numbers
 import re
 from dataclasses import dataclass
 from decimal import ROUND_FLOOR, Decimal, InvalidOperation
-from typing import TYPE_CHECKING
 
-from remat.errors import BudgetError
-
-if TYPE_CHECKING:
-    from remat.solver.profile import Profile
+from remat.core.errors import BudgetError
 
 __all__ = [
     "ACCEPTED_FORMS",
     "UNIT_BYTES",
+    "Budget",
     "RelativeBudget",
     "check_budget",
     "of_activations",
     "of_peak",
     "parse_budget",
-    "persistent_bytes",
-    "resolve_budget",
 ]
 
 # Units exactly as written: SI prefixes are powers of 1000, binary ones powers of 1024.
@@ -113,6 +109,9 @@ class RelativeBudget:
         return nbytes
 
 
+Budget = int | RelativeBudget  # a budget as read once (check_budget): bytes, or relative
+
+
 def _fraction(fraction: object, name: str) -> Decimal:
     ok = isinstance(fraction, numbers.Real) and not isinstance(fraction, bool)
     if not ok or not math.isfinite(float(fraction)) or float(fraction) <= 0:
@@ -139,7 +138,7 @@ def _bad(budget: object, why: str) -> BudgetError:
                        f"accepted forms: {ACCEPTED_FORMS}")
 
 
-def check_budget(budget: object) -> int | RelativeBudget:
+def check_budget(budget: object) -> Budget:
     """Read a budget without the profile: bytes, or a :class:`RelativeBudget`.
 
     Callers use it to reject a malformed budget before profiling starts.
@@ -190,27 +189,6 @@ def parse_budget(
     if reference_peak_bytes is None:
         raise _bad(budget, "a percentage needs the no-checkpoint peak to be known")
     return checked.bytes_for(reference_peak_bytes, persistent_bytes)
-
-
-def persistent_bytes(profile: Profile) -> int:
-    """What every plan's step of ``profile`` holds by the end of its backward pass:
-    parameters, buffers, optimizer state, the batch and every parameter's gradient."""
-    return profile.fixed_bytes + profile.grad_bytes
-
-
-def resolve_budget(budget: object, profile: Profile) -> int:
-    """``budget`` in bytes for ``profile``: percentages are taken of its no-checkpoint peak
-    (simulated), of the activation memory unless written ``"... of peak"``."""
-    checked = check_budget(budget)
-    if isinstance(checked, int):
-        return checked
-    # Imported here: simulate imports the plan and profile types, which import this
-    # module's neighbours; a budget of bytes needs none of it.
-    from remat.solver.plan import Plan
-    from remat.solver.simulate import simulate
-
-    peak = simulate(profile, Plan.keep_all([u.name for u in profile.units])).peak_bytes
-    return checked.bytes_for(peak, persistent_bytes(profile))
 
 
 def _parse_text(text: str) -> int | RelativeBudget:

@@ -16,7 +16,7 @@ What it cannot see: scratch buffers that kernels allocate internally without
 going through the dispatcher (e.g. a backward matmul's contiguous copy, oneDNN's
 convolution workspaces). On CUDA the allocator's own ``memory_allocated`` /
 ``max_memory_allocated`` deltas are reported beside the dispatch-level figures, so
-both views can be compared (:mod:`remat.allocator` gives the allocator's view on
+both views can be compared (:mod:`remat.measurement.allocator` gives the allocator's view on
 CPU too). One tensor made outside the dispatcher it does count: the CPU RNG state
 that ``torch.utils.checkpoint`` stashes per region (``torch.get_rng_state()``,
 about 5 KB), by wrapping that function while the meter is active.
@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryMeter", "MeterMark", "storage_bytes"]
+__all__ = ["MemoryMeter", "MeterMark", "returns_alias"]
 
 
 @dataclass(frozen=True)
@@ -48,17 +48,7 @@ class MeterMark:
     peak_bytes: int
 
 
-def storage_bytes(tensors: object) -> int:
-    """Bytes of the distinct storages behind the tensors in a (nested) structure."""
-    seen: dict[int, int] = {}
-    for t in tree_flatten(tensors)[0]:
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-            st = t.untyped_storage()
-            seen[st.data_ptr() if st.data_ptr() else id(st)] = st.nbytes()
-    return sum(seen.values())
-
-
-def _returns_alias(func: torch._ops.OpOverload) -> list[bool]:
+def returns_alias(func: torch._ops.OpOverload) -> list[bool]:
     """Per return of ``func``: does it alias an input (a view, an in-place or out= result)?"""
     try:
         return [r.alias_info is not None for r in func._schema.returns]
@@ -162,7 +152,7 @@ class MemoryMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
-        aliases = _returns_alias(func)
+        aliases = returns_alias(func)
         if len(aliases) == 1:
             outputs = (out,)  # one return, possibly a Tensor[] (split, chunk, unbind)
         else:

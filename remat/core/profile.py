@@ -18,15 +18,12 @@ rule above, which is what keeps adjacent units from being counted twice.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Any
 
-from remat.errors import ProfileError, RematError
-from remat.solver.field_checks import (
+from remat.core.errors import ProfileError, RematError
+from remat.core.fields import (
     MAX_BYTES,
     MAX_MS,
     checked_bool,
@@ -35,23 +32,21 @@ from remat.solver.field_checks import (
     checked_ms,
     checked_str,
 )
-from remat.solver.json_io import (
+from remat.core.json_io import (
     JsonSource,
     check_keys,
     read_json_object,
     refuse_other_kind,
     write_json,
 )
-from remat.solver.loop import Loop
+from remat.core.loop import Loop
+from remat.core.option import Option
 
 __all__ = [
     "MAX_BYTES",
     "MAX_MS",
     "SCHEMA_VERSION",
-    "Option",
-    "OPTION_ORDER",
     "OptionCost",
-    "OptionFacts",
     "OutsideCost",
     "Profile",
     "SharedTensor",
@@ -61,67 +56,6 @@ __all__ = [
 SCHEMA_VERSION = 2  # 2: the loop, shared tensors, kept output, autocast caches
 
 
-@dataclass(frozen=True)
-class OptionFacts:
-    """What an option needs and what it holds, independent of any unit.
-
-    Attributes:
-        needs_cuda: only runs on a CUDA device.
-        recomputes: runs the unit's forward again during its backward (a
-            ``torch.utils.checkpoint`` region).
-        holds_arguments: keeps every tensor argument of the unit alive until its
-            backward (a checkpoint region needs them to recompute).
-        holds_rng_state: stashes the RNG state for its recomputation (a tensor that
-            torch creates outside the dispatcher, so only the allocator sees it).
-    """
-
-    needs_cuda: bool = False
-    recomputes: bool = False
-    holds_arguments: bool = False
-    holds_rng_state: bool = False
-
-
-class Option(str, Enum):
-    """What the runtime can do with a unit's activations.
-
-    Members are strings (``Option.KEEP == "keep"``) and hash like them, so they
-    index the ``options`` mappings of a profile directly.
-    """
-
-    KEEP = "keep"  # hold what autograd saves (no checkpointing)
-    CHECKPOINT = "checkpoint"  # hold only the input; recompute the forward in backward
-    SELECTIVE = "selective"  # hold matmul/conv/attention outputs; recompute the rest
-    OFFLOAD = "offload"  # saved tensors to pinned CPU memory (CUDA only)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:
-        return str.__hash__(self)
-
-    @property
-    def facts(self) -> OptionFacts:
-        return _FACTS[self]
-
-    def unavailable_on(self, device_type: str) -> str | None:
-        """Why this option cannot run on ``device_type`` (``"cpu"``, ``"cuda"``), or ``None``."""
-        if self.facts.needs_cuda and device_type != "cuda":
-            return (
-                f"option {self.value!r} needs CUDA (it moves saved tensors from a CUDA device "
-                f"to pinned CPU memory), so it cannot run on {device_type!r}; use 'checkpoint' "
-                "or 'selective' there"
-            )
-        return None
-
-
-_RECOMPUTE = OptionFacts(recomputes=True, holds_arguments=True, holds_rng_state=True)
-_FACTS: Mapping[Option, OptionFacts] = {
-    Option.KEEP: OptionFacts(),
-    Option.CHECKPOINT: _RECOMPUTE,
-    Option.SELECTIVE: _RECOMPUTE,
-    Option.OFFLOAD: OptionFacts(needs_cuda=True),
-}
-OPTION_ORDER: tuple[Option, ...] = tuple(Option)
 
 
 @dataclass(frozen=True)
@@ -186,7 +120,7 @@ class UnitProfile:
             of it, so it lives until the last of them is used. ``None``: that code
             consumes it at once.
         param_signature: ``"<parameter count>:<hash>"`` of the unit's parameters'
-            names, shapes and dtypes (:mod:`remat.runtime.structure`); plans carry it
+            names, shapes and dtypes (:mod:`remat.execute.structure`); plans carry it
             so that a model of another width is refused. ``None``: not recorded.
     """
 
@@ -386,7 +320,7 @@ class Profile:
         input_shapes: the sample batch's tensor shapes, by argument name.
         meta: free-form notes (torch version, the meter used, ...).
         loop: the training loop the profile was measured for (accumulation, whether
-            the output is kept, autocast...): :class:`~remat.solver.loop.Loop`.
+            the output is kept, autocast...): :class:`~remat.core.loop.Loop`.
         output_bytes: the model output's storages the loop keeps from the end of the
             forward pass to the end of the step (with ``loop.keep_output``; the loss
             aside, which ``loss_bytes`` counts).
@@ -515,6 +449,12 @@ class Profile:
         )
 
     @property
+    def persistent_bytes(self) -> int:
+        """What every plan's step holds by the end of its backward pass: the fixed bytes
+        and every parameter's gradient (what no plan removes; ``"0%"`` of activations)."""
+        return self.fixed_bytes + self.grad_bytes
+
+    @property
     def extra_grad_in_flight_bytes(self) -> int:
         """Partial-gradient bytes that are extra in this loop (see ``grad_in_flight_bytes``)."""
         return self.grad_in_flight_bytes if self.grads_alive_at_start else 0
@@ -572,15 +512,6 @@ class Profile:
         """Options offered by at least one unit, in :class:`Option` order."""
         offered = {o for u in self.units for o in u.options}
         return tuple(o.value for o in Option if o.value in offered)
-
-    def fingerprint(self) -> str:
-        """A hash of what a plan depends on: unit names and types, input shapes, device."""
-        key = {
-            "units": [[u.name, u.type_name] for u in self.units],
-            "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
-            "device": self.device.split(":")[0],
-        }
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_frame(self):  # -> pandas.DataFrame (imported lazily: pandas is slow to import)
         """One row per unit: its measured times, bytes, and each option's costs.
@@ -692,7 +623,7 @@ class Profile:
 
 
 # ---------------------------------------------------------------------------------
-# Field checks (see remat.solver.field_checks)
+# Field checks (see remat.core.fields)
 # ---------------------------------------------------------------------------------
 _OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 _OPTION_BOOLS = ("holds_input", "holds_output")

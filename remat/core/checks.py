@@ -1,53 +1,102 @@
-"""Checks of what users pass to remat's entry points, before any work starts.
+"""Checks of what users pass to remat, before any work starts: one home for every stage.
 
-Each check raises an :class:`ArgumentError` (a :class:`~remat.errors.RematError`)
-that names the argument, what it got, and the fix. They look at types and shapes
-of arguments only: they never call the user's model or loss, so the user's own
-exceptions surface unchanged from where they are raised.
+Each check raises a :class:`~remat.core.errors.RematError` that names the argument,
+what it got, and the fix: an :class:`~remat.core.errors.ArgumentError` for an argument
+of the wrong kind, a :class:`~remat.core.errors.ParameterError` for a count or a time
+out of range, a :class:`~remat.core.errors.BudgetError` for a budget. They look at
+types and shapes of arguments only: they never call the user's model or loss, so the
+user's own exceptions surface unchanged from where they are raised.
 
 Profiling takes seconds to minutes, so everything that can be checked without the
-profile (the budget's syntax, the method and its keyword names, the loop) is
-checked before it starts: a typo costs nothing.
+profile (the budget's syntax, the method and its keyword names, the loop) is checked
+before it starts: a typo costs nothing. (The method's check is the solver's own:
+:func:`remat.solver.solve.check_method`.)
+
+This floor imports no torch: a torch object can only exist once torch is imported, so
+the checks look it up in ``sys.modules`` instead of importing it.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import math
+import numbers
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from remat.errors import RematError
-from remat.solver.budget import RelativeBudget, check_budget
-from remat.solver.loop import Loop
-from remat.solver.plan import Plan
-from remat.solver.profile import Profile
+from remat.core.budget import Budget, check_budget
+from remat.core.errors import ArgumentError, BudgetError, ParameterError
+from remat.core.loop import Loop
+from remat.core.plan import Plan
+from remat.core.profile import Profile
 
 __all__ = [
-    "ArgumentError",
     "check_batch",
     "check_budget_arg",
+    "check_budget_bytes",
+    "check_count",
     "check_inputs",
     "check_loop",
     "check_loss_fn",
-    "check_method",
     "check_model",
     "check_optimizer",
     "check_plan",
     "check_profile_args",
+    "check_seconds",
 ]
 
 
-class ArgumentError(RematError, TypeError):
-    """An argument of the wrong kind: a path where a Plan goes, a string for an optimizer."""
+def check_count(name: str, value: object, *, lo: int, hi: int | None = None,
+                meaning: str = "", owner: str = "") -> int:
+    """``value`` when it is an int (not a bool) in ``[lo, hi]``; else :class:`ParameterError`.
+
+    The message reads ``"uniform needs k, an int with 1 <= k <= 12 (the number of
+    units), got k=13"``.
+    """
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    ok = ok and lo <= value and (hi is None or value <= hi)
+    if not ok:
+        bound = f"{lo} <= {name}" + (f" <= {hi}" if hi is not None else "")
+        who = f"{owner} needs" if owner else "needs"
+        note = f" ({meaning})" if meaning else ""
+        raise ParameterError(f"{who} {name}, an int with {bound}{note}, got {name}={value!r}")
+    return int(value)
+
+
+def check_seconds(name: str, value: object, *, owner: str = "") -> float:
+    """``value`` when it is a finite number of seconds > 0; else :class:`ParameterError`."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(float(value)) or float(value) <= 0:
+        who = f"{owner} needs" if owner else "needs"
+        raise ParameterError(
+            f"{who} {name}, a finite number of seconds > 0, got {name}={value!r}"
+        )
+    return float(value)
+
+
+def check_budget_bytes(budget_bytes: object) -> int | None:
+    """``budget_bytes`` when it is ``None`` or an int of bytes; else :class:`BudgetError`.
+
+    Algorithms take whole bytes; ``solve_profile`` and :func:`parse_budget` accept
+    ``"8GB"`` or ``"60%"`` and convert them.
+    """
+    if budget_bytes is None:
+        return None
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral):
+        raise BudgetError(
+            f"budget_bytes={budget_bytes!r} is not an int of bytes; pass an int, or a string "
+            "such as '8GB' or '60%' to solve_profile() (parse_budget() converts them)"
+        )
+    return int(budget_bytes)
 
 
 def check_model(model: Any, where: str = "profile()") -> None:
     """``model`` must be a ``torch.nn.Module``."""
-    from torch import nn
-
-    if isinstance(model, nn.Module):
+    nn = sys.modules.get("torch.nn")  # a module exists only once torch is imported
+    if nn is not None and isinstance(model, nn.Module):
         return
     if isinstance(model, Profile):
         raise ArgumentError(f"{where} needs the model, got a Profile; a profile is what "
@@ -62,12 +111,12 @@ def check_batch(batch: Any, where: str = "profile()") -> None:
     A loader, a generator or an iterator is refused: remat runs the batch many times,
     and an iterator would be used up (or yield other batches) on the way.
     """
-    from torch.utils.data import DataLoader
-
     if batch is None:
         raise ArgumentError(f"{where} needs a sample batch (one micro-batch of what the model "
                             "takes), got None; e.g. batch = next(iter(train_loader))")
-    if isinstance(batch, DataLoader) or isinstance(batch, collections.abc.Iterator):
+    data = sys.modules.get("torch.utils.data")
+    loader = data is not None and isinstance(batch, data.DataLoader)
+    if loader or isinstance(batch, collections.abc.Iterator):
         raise ArgumentError(
             f"{where} needs one sample batch, got {_kind(batch)}; remat runs the same batch "
             "several times, so pass one: batch = next(iter(loader))")
@@ -105,27 +154,14 @@ def check_loop(loop: Any, where: str = "profile()") -> None:
     raise ArgumentError(f"{where}: loop must be a remat.Loop, got {_kind(loop)}; pass {hint}")
 
 
-def check_budget_arg(budget: Any) -> int | RelativeBudget | None:
+def check_budget_arg(budget: Any) -> Budget | None:
     """The budget read without the profile (``None`` stays ``None``); a
-    :class:`~remat.errors.BudgetError` names a malformed one."""
+    :class:`~remat.core.errors.BudgetError` names a malformed one."""
     return None if budget is None else check_budget(budget)
 
 
-def check_method(method: Any, params: Mapping[str, Any]) -> None:
-    """``method`` names an algorithm that takes every keyword in ``params``."""
-    from remat.solver.params import UnknownParameterError
-    from remat.solver.solve import algorithm, algorithm_parameters
-
-    algorithm(method)  # UnknownMethodError lists the methods
-    unknown = sorted(set(params) - set(algorithm_parameters(method)))
-    if unknown:
-        accepted = list(algorithm_parameters(method))
-        takes = f"its parameters are {accepted}" if accepted else "it takes no parameters"
-        raise UnknownParameterError(f"method={method!r} does not take {unknown}; {takes}")
-
-
 def check_plan(plan: Any, where: str = "apply_plan()") -> None:
-    """``plan`` must be a :class:`~remat.solver.plan.Plan` (a path or a dict is refused
+    """``plan`` must be a :class:`~remat.core.plan.Plan` (a path or a dict is refused
     with the call that loads it)."""
     if isinstance(plan, Plan):
         return

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 
 __all__ = [
     "JsonSource",

@@ -1,6 +1,6 @@
 """Byte counts for people: one way to print them everywhere (errors, CLI, plots, reports).
 
-Parsing what users write (``"8GB"``, ``"7.5GiB"``) is :mod:`remat.solver.budget`'s job;
+Parsing what users write (``"8GB"``, ``"7.5GiB"``) is :mod:`remat.core.budget`'s job;
 this module only formats. It imports nothing, so the lightest modules can use it.
 """
 

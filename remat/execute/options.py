@@ -22,10 +22,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.errors import RematError
-from remat.runtime.arguments import CallArguments
-from remat.runtime.kv_cache import drop_kv_cache
-from remat.solver.profile import Option
+from remat.core.errors import RematError
+from remat.core.option import Option
+from remat.execute.arguments import CallArguments
+from remat.execute.kv_cache import drop_kv_cache
 
 __all__ = [
     "SELECTIVE_SAVE_OPS",

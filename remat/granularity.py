@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from remat.errors import InfeasibleBudgetError
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.profile import Profile
 from remat.solver.dp import solve_dp
 from remat.solver.min_peak import min_peak_bytes
-from remat.solver.profile import Profile
-from remat.solver.solve import no_checkpoint_peak_bytes
+from remat.solver.resolve import no_checkpoint_peak_bytes
 
 __all__ = ["BUDGETS", "INFEASIBLE", "MARGIN", "level_scores", "pick_level"]
 
@@ -44,8 +44,8 @@ def _relative_time(profile: Profile, budget: int) -> float:
         plan = solve_dp(profile, budget)
     except InfeasibleBudgetError:
         return INFEASIBLE
-    assert plan.predicted_time_ms is not None
-    return plan.predicted_time_ms / profile.step_ms if profile.step_ms > 0 else 1.0
+    assert plan.record.predicted_time_ms is not None
+    return plan.record.predicted_time_ms / profile.step_ms if profile.step_ms > 0 else 1.0
 
 
 def level_scores(profiles: dict[str, Profile], budgets: int = BUDGETS) -> dict[str, dict[str, Any]]:

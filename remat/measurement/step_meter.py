@@ -2,8 +2,8 @@
 
 Trainers call back at the start and the end of an optimizer step, so the meter is
 entered in one callback and left in another. It reads both of remat's views (the
-dispatch-level :class:`~remat.meter.MemoryMeter` and the allocator's
-:class:`~remat.allocator.AllocatorTimeline`) and adds what was resident when the
+dispatch-level :class:`~remat.measurement.meter.MemoryMeter` and the allocator's
+:class:`~remat.measurement.allocator.AllocatorTimeline`) and adds what was resident when the
 step started (parameters, buffers, gradients, optimizer state), so its figure
 compares with a plan's predicted and verified peaks.
 """
@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.allocator import AllocatorTimeline
-from remat.meter import MemoryMeter
-from remat.profiler.step import fixed_bytes, grad_bytes, model_device
+from remat.measurement.allocator import AllocatorTimeline
+from remat.measurement.meter import MemoryMeter
+from remat.measurement.runner import model_device
+from remat.measurement.storage import resident_bytes
 
 __all__ = ["StepMeter", "TrainerStepPeak", "unwrap_optimizer"]
 
@@ -59,8 +60,7 @@ class StepMeter:
 
     def start(self) -> None:
         device = model_device(self.model).type
-        self._resident = fixed_bytes(self.model, self.optimizer) + (
-            grad_bytes(self.model) if self.count_grads else 0)
+        self._resident = resident_bytes(self.model, self.optimizer, grads=self.count_grads)
         self._timeline = AllocatorTimeline(device)
         self._timeline.__enter__()
         self._timeline.mark()

@@ -1,0 +1,7 @@
+"""What an option does to a module call, below both the profiler and the runtime.
+
+:mod:`.options` runs one call under an option (the profiler measures it, the runtime
+trains with it); :mod:`.boundary` says which tensors a unit takes and hands on;
+:mod:`.kv_cache`, :mod:`.arguments` and :mod:`.structure` are what both need of a call
+and a module; :mod:`.planned` says whether a model has a plan applied.
+"""

@@ -1,0 +1,253 @@
+"""``measure_step`` (``remat.measure``): the real peak and time of one training step of
+the model as it is, planned or not, and the timing of plain steps.
+
+The step is the user's loop (:class:`~remat.core.loop.Loop`), run by
+:class:`~remat.measurement.runner.StepRunner`::
+
+    out = model(**batch)            # under torch.autocast when the loop says so
+    loss = loss_fn(out, batch)      # or out.loss
+    loss.backward()                 # through a GradScaler when the loop has one
+    ...                             # (accumulation_steps micro-batches)
+    optimizer.step(); optimizer.zero_grad()
+
+It is the one measured step of remat: ``remat.measure``, verification in
+``remat.solve``, the compiled search (the step of a compiled model, allocator only)
+and FSDP's per-rank measurement all call it, and every figure is the instruments'
+rise above the step's start plus :func:`~remat.measurement.storage.resident_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core.checks import check_profile_args
+from remat.core.errors import ProfileError
+from remat.core.loop import Loop, loop_or_default
+from remat.measurement.allocator import allocator_peak
+from remat.measurement.meter import MemoryMeter
+from remat.measurement.runner import Carry, LossFn, StepRunner, model_device
+from remat.measurement.state import ModelState, clear_grads, training_session
+from remat.measurement.storage import resident_bytes
+from remat.measurement.timing import Stopwatch, median, parts_settled
+
+__all__ = ["StepMeasurement", "StepTimes", "measure_step", "time_steps"]
+
+log = logging.getLogger("remat")
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """A measured training step (one optimizer step of the loop).
+
+    Attributes:
+        resident_bytes: what the step holds from its start to its end: parameters,
+            buffers, optimizer state, the batch, and the gradients alive when it starts
+            (accumulation, ``set_to_none=False``).
+        peak_bytes: peak bytes of the step, ``resident_bytes`` included, by the
+            dispatch-level meter (live tensor storages); ``None`` when not measured
+            (compiled code, which the dispatch level cannot see).
+        allocator_peak_bytes: the same peak as the allocator saw it (it also sees
+            kernel scratch buffers and tensors made outside the dispatcher, such as
+            checkpoint's RNG state): on CUDA ``torch.cuda.max_memory_allocated``, on
+            CPU the allocation events of ``torch.profiler``. ``None`` when not measured.
+        reserved_peak_bytes: on CUDA, ``torch.cuda.max_memory_reserved`` while the
+            allocator instrument ran: what the caching allocator took from the device
+            (fragmentation included). ``None`` off CUDA.
+        cuda_peak_bytes: ``max_memory_allocated`` during the metered step minus
+            ``memory_allocated`` at its start; ``None`` off CUDA.
+        held_after_forward_bytes: bytes alive after the last micro-batch's forward
+            (loss included), above the bytes alive when the step started (``None``
+            without the dispatch-level meter).
+        time_ms: median wall time of one optimizer step (``None``: not timed).
+    """
+
+    resident_bytes: int
+    peak_bytes: int | None = None
+    allocator_peak_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
+    cuda_peak_bytes: int | None = None
+    held_after_forward_bytes: int | None = None
+    time_ms: float | None = None
+
+    @property
+    def worst_peak_bytes(self) -> int:
+        """The larger of the instruments' peaks: what a budget must hold."""
+        return max(self.peak_bytes or 0, self.allocator_peak_bytes or 0, self.resident_bytes)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Median times of plain training steps, in milliseconds (no meter, no hooks).
+
+    ``forward_ms`` and ``backward_ms`` are one micro-batch's; ``step_ms`` is one
+    optimizer step of the loop: every micro-batch and the optimizer step.
+    """
+
+    step_ms: float
+    forward_ms: float
+    backward_ms: float
+
+
+def time_steps(
+    runner: StepRunner,
+    state: ModelState,
+    watch: Stopwatch,
+    *,
+    warmup: int,
+    repeats: int,
+    tolerance: float = 0.0,
+) -> StepTimes:
+    """Time ``warmup + repeats`` micro-batches and optimizer steps; medians of the last ``repeats``.
+
+    Each round runs one micro-batch (forward, backward) and the optimizer step with
+    gradients cleared first; one optimizer step of the loop is then
+    ``accumulation_steps`` micro-batches and one optimizer step. The timed rounds
+    stop early once the samples pin each median to within ``tolerance`` times the
+    step time (:func:`~remat.measurement.timing.parts_settled`).
+
+    RNG state and buffers are reset before each, so every round sees the same dropout
+    masks and BatchNorm statistics.
+    """
+    total, fwd, bwd, opt = [], [], [], []
+    for r in range(warmup + repeats):
+        state.rng.restore()
+        state.restore_buffers()
+        clear_grads(state.params)
+        (_, loss), f_ms = watch.time(runner.forward)
+        _, b_ms = watch.time(lambda loss=loss: runner.backward(loss))
+        del loss
+        _, o_ms = watch.time(runner.optimizer_step) if runner.optimizer is not None else (None, 0.)
+        if r >= warmup:
+            total.append(f_ms + b_ms + o_ms)
+            fwd.append(f_ms)
+            bwd.append(b_ms)
+            opt.append(o_ms)
+            if parts_settled(total, fwd, bwd, repeats=repeats, tolerance=tolerance):
+                break
+    clear_grads(state.params)
+    steps = runner.loop.accumulation_steps
+    f_ms, b_ms = median(fwd), median(bwd)
+    return StepTimes(steps * (f_ms + b_ms) + median(opt), f_ms, b_ms)
+
+
+def _cycles(runner: StepRunner, cycles: int, state: ModelState | None) -> None:
+    """``cycles`` optimizer steps of the loop from nothing carried; with ``state``, each
+    from the same RNG state and buffers."""
+    carry = Carry()
+    for _ in range(cycles):
+        runner.optimizer_step_cycle(carry)
+        if state is not None:
+            state.rng.restore()
+            state.restore_buffers()
+
+
+@contextlib.contextmanager
+def _session(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             restore: bool) -> Iterator[ModelState | None]:
+    if not restore:
+        yield None
+        return
+    with training_session(model, optimizer) as state:
+        yield state
+
+
+def measure_step(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    loop: Loop | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    allocator: bool = True,
+    meter: bool = True,
+    call: nn.Module | None = None,
+    restore: bool = True,
+    time_within: int | None = None,
+) -> StepMeasurement:
+    """Measure one real training step of ``model`` as it is (with or without a plan applied).
+
+    The step is one optimizer step of ``loop`` (default :class:`~remat.core.loop.Loop`:
+    a plain loop that keeps the output): its micro-batches, the optimizer step and the
+    loop's ``zero_grad``. The warm-up steps come first (they create the optimizer's
+    state, and compile a compiled model); then each instrument runs two steps from
+    nothing carried, so that the second sees what the first carries into it and
+    everything it sees was made inside the region (a dispatch meter counts only such
+    storages, and the CPU profiler reports no frees of blocks allocated before it
+    started): the dispatch-level meter, and with ``allocator`` the allocator's view
+    (:mod:`remat.measurement.allocator`). The time is the median of ``repeats`` un-metered
+    steps. Parameters, buffers, gradients, RNG state, train/eval modes and the
+    optimizer state are restored afterwards, also when the step raises.
+
+    Args:
+        model: the module to train.
+        sample_batch: one micro-batch: a Tensor (``model(x)``), a tuple/list
+            (``model(*batch)``) or a dict (``model(**batch)``).
+        loss_fn: ``loss_fn(output, batch) -> scalar``; by default the output's ``.loss``.
+        optimizer: include ``optimizer.step()`` in the step.
+        loop: the training loop; default ``Loop()``.
+        warmup, repeats: un-timed and timed steps for ``time_ms`` (``repeats=0``: not
+            timed).
+        allocator: also measure the allocator's view (on CPU it replays the step under
+            ``torch.profiler``, which is slower).
+        meter: measure with the dispatch-level meter (``False`` for compiled code, which
+            runs eagerly under it).
+        call: the module the step calls, when it is not ``model`` itself (the compiled
+            wrapper of ``model``); its state is ``model``'s.
+        restore: put the model back afterwards; ``False`` for a step whose model cannot
+            be snapshotted (FSDP2's sharded parameters): the steps then train it.
+        time_within: time the step only when its worst peak is at most this many bytes
+            (a search skips timing what does not fit).
+
+    Raises:
+        LossNotFoundError: no ``loss_fn`` and the output has no ``.loss``.
+    """
+    check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
+                       where="measure()")
+    if repeats < 0 or warmup < 0 or (repeats and not restore):
+        raise ProfileError(f"need repeats >= 0 and warmup >= 0 (and repeats=0 without restore), "
+                           f"got {repeats=} {warmup=} {restore=}")
+    loop = loop_or_default(loop)
+    device = model_device(model)
+    watch = Stopwatch(device)
+    peak = alloc_peak = reserved = cuda_peak = held = time_ms = None
+    with _session(model, optimizer, restore) as state:
+        runner = StepRunner(call if call is not None else model, sample_batch, loss_fn,
+                            optimizer, loop, device.type)
+        _cycles(runner, max(warmup, 1), state)
+        watch.sync()
+        resident = resident_bytes(model, optimizer, batch=sample_batch, device=device)
+        if meter:
+            with MemoryMeter(device_type=device.type) as dispatch:
+                _cycles(runner, 2, state)
+            peak, cuda_peak = resident + dispatch.peak_bytes, dispatch.cuda_peak_bytes
+        if allocator:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            alloc_peak = resident + allocator_peak(lambda: _cycles(runner, 2, state),
+                                                   device_type=device.type)
+            if device.type == "cuda":
+                reserved = torch.cuda.max_memory_reserved()
+        if meter:
+            with MemoryMeter(device_type=device.type) as dispatch:
+                output, loss = runner.forward()
+                if not loop.keep_output:
+                    del output
+                held = dispatch.live_bytes
+            del loss
+            clear_grads(runner.params)
+        worst = max(peak or 0, alloc_peak or 0)
+        if repeats and state is not None and (time_within is None or worst <= time_within):
+            time_ms = time_steps(runner, state, watch, warmup=0, repeats=repeats).step_ms
+    result = StepMeasurement(resident, peak, alloc_peak, reserved, cuda_peak, held, time_ms)
+    log.info("measured step (%s): peak %s B (allocator %s B, resident %d B), %s ms",
+             loop.describe(), peak, alloc_peak, resident, time_ms)
+    return result
