@@ -62,13 +62,25 @@ def check_figure_format(path: str | os.PathLike[str], what: str = "--out") -> st
     return fmt
 
 
+def _umask() -> int:
+    """The process's file-creation mask (reading it means setting it: put it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
-    """Call ``write(temporary_path)``, then rename the temporary file to ``path``."""
+    """Call ``write(temporary_path)``, then rename the temporary file to ``path``.
+
+    The file gets the mode a plain ``open(path, "w")`` would give it (``0o666`` less
+    the user's umask), not the private ``0o600`` of a temporary file.
+    """
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

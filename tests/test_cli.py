@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +116,23 @@ def test_help_lists_the_contract_methods_and_budget_forms():
         assert phrase in text, phrase
     solve_help = parser._subparsers._group_actions[0].choices["solve"].format_help()
     assert "--accumulation-steps" in solve_help and "60% of peak" in solve_help
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_files_get_the_users_mode(tmp_path, capsys, umask):
+    # A temporary file is private (0o600); the file it becomes is the user's, as
+    # open(path, "w") would make it.
+    from remat.output import write_atomic
+
+    old = os.umask(umask)
+    try:
+        plan = tmp_path / "plan.json"
+        assert main(["solve", "--model", "gpt", "--size", "tiny", "--budget", "95%",
+                     "--out", str(plan)]) == 0
+        other = tmp_path / "other.txt"
+        write_atomic(other, lambda tmp: Path(tmp).write_text("x"))
+    finally:
+        os.umask(old)
+    for path in (plan, other):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    capsys.readouterr()

@@ -192,3 +192,18 @@ def test_compile_planned_compiles_under_the_plans_partitioner_budget() -> None:
     assert torch._functorch.config.activation_memory_budget == 1.0  # only while it runs
     remat.remove_plan(model)
     torch._dynamo.reset()
+
+
+def test_the_compiled_step_counts_the_batch() -> None:
+    # The batch is alive through the step, compiled or not: the compiled measurement is
+    # remat.measure's step (allocator only), so both count it. Here the batch is most
+    # of the step, so leaving it out would read far below the eager figure.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4), nn.Linear(4, 4))
+    batch = torch.randn(2048, 1024)  # 8 MiB; the parameters are 16 KiB
+    torch._dynamo.reset()
+    compiled = measure_compiled(model, batch, None, loss_fn=_loss,
+                                compile_options={"backend": "eager"}, repeats=1)
+    eager = remat.measure(model, batch, loss_fn=_loss, repeats=1).allocator_peak_bytes
+    assert compiled.peak_bytes > batch.numel() * batch.element_size()
+    assert abs(compiled.peak_bytes - eager) <= 0.05 * eager

@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, record_function
+
+from remat.measurement.torch_profiler import memory_profile
 
 __all__ = [
     "AllocationEvent",
@@ -67,7 +69,7 @@ def allocation_events(step_fn: Callable[[], object]) -> list[AllocationEvent]:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, profile_memory=True) as prof:
+    with memory_profile(activities) as prof:
         step_fn()
     events = _walk_allocations(prof.profiler.kineto_results.experimental_event_tree())
     events.sort(key=lambda e: e.time_ns)  # stable: ties keep the recorded order
@@ -142,8 +144,7 @@ class AllocatorTimeline:
             self._cuda_start = torch.cuda.memory_allocated()
         else:
             self._stack = contextlib.ExitStack()
-            self._prof = self._stack.enter_context(
-                profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+            self._prof = self._stack.enter_context(memory_profile())
         return self
 
     def mark(self) -> int:
