@@ -1,15 +1,20 @@
 """Turning the profiler's measurements into a :class:`Profile`.
 
-Unit figures come from the isolated replays (:mod:`.replay`) except keep's bytes,
-which the instrumented baseline step gives where it can (:mod:`.instrument`, the
-same figures), everything outside the units and the boundary storages from that
-step, times from un-metered runs.
+Unit figures come from the isolated replays (:mod:`.replay`, at each unit's call);
+everything outside the units, the boundary storages and the outside code's parameter
+gradients from the outside step (:mod:`.instrument`); the units' parameter gradients
+from the parameters they own and their replays (:mod:`.grads`); times from un-metered
+runs.
 
-Times of the prefix and suffix are *derived*: the plain step's forward (backward)
-time minus the units' isolated forward (backward) times, clipped at 0 and split
-between prefix and suffix in the proportions the instrumented step showed (code
-between units, off a chain, counts as prefix). They are informational:
-``simulate()`` uses only ``step_ms`` and the options' ``extra_ms``.
+The unplanned step is never run, so its time is **derived**: one micro-batch is the
+outside code's forward and backward (:mod:`.outside_time`: stub steps less their stubs'
+own time) plus every unit's keep forward and backward (its replays), and an optimizer
+step of the loop is ``accumulation_steps`` micro-batches and the optimizer's step. The
+prefix's and suffix's times split the outside code's in the proportions the outside step
+showed (code between units, off a chain, counts as prefix). ``simulate()`` uses only
+``step_ms`` and the options' ``extra_ms``, so the split is informational, and since
+every plan's time is ``step_ms`` plus its options' extra, an error in the derived
+``step_ms`` moves every plan alike and never changes which is fastest.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from remat.core.loop import Loop
 from remat.core.option import Option
 from remat.core.profile import OptionCost, OutsideCost, Profile, SharedTensor, UnitProfile
 from remat.execute.structure import unit_signature
-from remat.measurement.step import StepTimes
 from remat.profiler.capture import ChainCheck
-from remat.profiler.instrument import BaselineStep, UnitInStep
+from remat.profiler.grads import GradPlaces
+from remat.profiler.instrument import OutsideStep, UnitInStep
+from remat.profiler.outside_time import OutsideTimes
 from remat.profiler.replay import OptionFigures, UnitTiming
 
 __all__ = ["Measurements", "build_profile", "input_shapes", "model_dtype"]
@@ -39,15 +45,14 @@ class Measurements:
 
     units: list[tuple[str, nn.Module]]  # execution order
     chain: ChainCheck
-    base: BaselineStep
+    base: OutsideStep
     figures: dict[str, dict[str, OptionFigures]]
     timings: dict[str, UnitTiming]
-    step: StepTimes
+    outside: OutsideTimes
+    grads: GradPlaces
     fixed_bytes: int
     param_bytes: int
     buffer_bytes: int
-    optimizer_state_bytes: int = 0
-    optimizer_step_peak_bytes: int = 0
     loop: Loop = field(default_factory=Loop)
     batch_bytes: int = 0
     inputs_kept_by_caller: list[bool] = field(default_factory=list)
@@ -118,6 +123,7 @@ def _unit_profile(
     in_step: UnitInStep,
     figures: dict[str, OptionFigures],
     timing: UnitTiming,
+    param_grad_bytes: int,
 ) -> UnitProfile:
     keep_ms = timing.total_ms[Option.KEEP]
     costs = {
@@ -139,7 +145,7 @@ def _unit_profile(
         input_bytes=in_step.input_bytes,
         output_bytes=in_step.output_bytes,
         input_grad_bytes=figures[Option.KEEP].input_grad_bytes,
-        param_grad_bytes=in_step.param_grad_bytes,
+        param_grad_bytes=param_grad_bytes,
         options=costs,
         input_held_outside=in_step.input_held_outside,
         output_held_outside=in_step.output_held_outside,
@@ -164,18 +170,23 @@ def build_profile(
     )
     kept = m.inputs_kept_by_caller or [False] * len(m.units)
     units = [
-        replace(_unit_profile(name, module, in_step[i], m.figures[name], m.timings[name]),
+        replace(_unit_profile(name, module, in_step[i], m.figures[name], m.timings[name],
+                              m.grads.units[i]),
                 input_kept_by_caller=kept[i])
         for i, (name, module) in enumerate(m.units)
     ]
-    fwd_ms = _split(m.step.forward_ms - sum(u.fwd_ms for u in units), {
+    outside = m.outside
+    fwd_ms = _split(outside.forward_ms, {
         "prefix": base.phase_ms["prefix_fwd"] + base.phase_ms["between_fwd"],
         "suffix": base.phase_ms["suffix_fwd"],
     })
-    bwd_ms = _split(m.step.backward_ms - sum(u.bwd_ms for u in units), {
+    bwd_ms = _split(outside.backward_ms, {
         "prefix": base.phase_ms["prefix_bwd"],
         "suffix": base.phase_ms["suffix_bwd"],
     })
+    micro_batch_ms = (outside.forward_ms + outside.backward_ms
+                      + sum(u.fwd_ms + u.bwd_ms for u in units))
+    step_ms = m.loop.accumulation_steps * micro_batch_ms + outside.optimizer_ms
     return Profile(
         units=tuple(units),
         is_chain=m.chain.is_chain,
@@ -183,7 +194,7 @@ def build_profile(
             held_bytes=base.prefix.held_bytes,
             fwd_peak_bytes=max(base.prefix.fwd_peak_bytes, 0),
             bwd_peak_bytes=max(base.prefix.bwd_peak_bytes, 0),
-            param_grad_bytes=base.prefix.param_grad_bytes,
+            param_grad_bytes=m.grads.prefix_bytes,
             fwd_ms=fwd_ms["prefix"],
             bwd_ms=bwd_ms["prefix"],
         ),
@@ -191,25 +202,24 @@ def build_profile(
             held_bytes=base.suffix.held_bytes,
             fwd_peak_bytes=max(base.suffix.fwd_peak_bytes, 0),
             bwd_peak_bytes=max(base.suffix.bwd_peak_bytes, 0),
-            param_grad_bytes=base.suffix.param_grad_bytes,
+            param_grad_bytes=m.grads.suffix_bytes,
             fwd_ms=fwd_ms["suffix"],
             bwd_ms=bwd_ms["suffix"],
         ),
         param_bytes=m.param_bytes,
         buffer_bytes=m.buffer_bytes,
-        optimizer_state_bytes=m.optimizer_state_bytes,
+        optimizer_state_bytes=outside.optimizer_state_bytes,
         loss_bytes=base.loss_bytes,
-        optimizer_step_peak_bytes=m.optimizer_step_peak_bytes,
+        optimizer_step_peak_bytes=outside.optimizer_step_peak_bytes,
         batch_bytes=m.batch_bytes,
-        step_ms=m.step.step_ms,
-        measured_peak_bytes=m.fixed_bytes + base.peak_bytes,
+        step_ms=step_ms,
         device=str(device),
         dtype=dtype,
         input_shapes=dict(shapes),
         loop=m.loop,
         output_bytes=base.output_bytes,
         last_output_kept=base.last_output_kept,
-        grad_in_flight_bytes=base.grad_in_flight_bytes,
+        grad_in_flight_bytes=m.grads.in_flight_bytes,
         carried_bytes=(base.loss_storage_bytes + base.output_bytes
                        + (units[-1].output_bytes if base.last_output_kept else 0)),
         shared=tuple(
@@ -220,9 +230,11 @@ def build_profile(
         ),
         meta={
             **meta,
+            "outside_step_peak_bytes": m.fixed_bytes + base.peak_bytes,
             "held_after_forward_bytes": base.held_after_forward_bytes,
             "forward_transient_bytes": base.forward_transient_bytes,
-            "outside_ms": "derived",
+            "step_ms": "derived",
+            "no_checkpoint_peak": "predicted",
             "chain_breaks": list(m.chain.breaks),
         },
     )

@@ -1,19 +1,29 @@
-"""The capture pass: one forward pass that records how the units run.
+"""The capture pass: one forward pass that records how the units run, and replays each
+unit where it runs.
 
 It records, without the memory meter:
 
 * the units' execution order, and that each runs exactly once;
-* each unit's inputs (detached, so the graph is not kept), the RNG state it saw,
-  and the shape of its first output, for the isolated replays;
+* each unit's inputs (detached, so the graph is not kept) and the RNG state it saw,
+  handed to the replays (:mod:`.replay`) at the unit's call, on the live input;
 * whether the units form a **chain**: unit i+1's first tensor input *is* unit i's
   first tensor output, and no aten op runs between the two (counted by a small
-  ``TorchDispatchMode`` that only counts while no unit is running).
+  ``TorchDispatchMode`` that only counts while no unit is running);
+* which boundaries the model's own code keeps alive past the next unit's start.
+
+It keeps no saved tensor (no backward runs), so, replays aside, it holds what the
+model's code references, as a no-grad forward would: a unit's input lives while its
+replays run and is let go with the rest of the forward. Replaying every unit at its
+own call, rather than from inputs captured for all units at once, is what keeps
+profiling within the memory of the most frugal plan.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +36,7 @@ from remat.core.errors import ProfileError
 from remat.execute.boundary import boundary_input, boundary_output
 from remat.execute.kv_cache import is_kv_cache, warn_kv_cache_once
 from remat.measurement.state import RngState
+from remat.profiler.saves import SaveRecord
 
 __all__ = ["Captured", "ChainCheck", "UnitCall", "UnitTrace", "check_chain", "trace_units"]
 
@@ -93,11 +104,16 @@ class ChainCheck:
 
 @dataclass
 class UnitTrace:
-    """What the capture pass learned: execution order, calls, chain check."""
+    """What the capture pass learned: execution order, calls, chain check, and per unit in
+    order whether the model's code keeps its boundary input alive past the unit's
+    forward (``x = self.stem(x); x = self.blocks(x)`` keeps the stem's output while the
+    blocks run), so that no multi-unit segment may span the link into it (known only
+    when the pass released the captured inputs: else all ``False``)."""
 
     order: list[str]
     calls: dict[str, UnitCall]
     chain: ChainCheck
+    kept_by_caller: list[bool] = field(default_factory=list)
 
 
 def _capture(value: Any, boundary: torch.Tensor | None) -> Any:
@@ -131,14 +147,105 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _drop(_t: torch.Tensor) -> None:
+    """Pack hook of the capture pass: nothing is kept (no backward runs)."""
+    return None
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """Unpack hook of the capture pass (never called: nothing is unpacked)."""
+    return t
+
+
+@contextlib.contextmanager
+def saving_as_autograd_does() -> Iterator[None]:
+    """Inside the capture pass: the block saves tensors as autograd does on its own, with
+    the pass's drop hooks (and any saved-tensor hooks the model's code pushed above them,
+    such as its own checkpoint region's) off the stack until it ends.
+
+    Not by pushing identity hooks: a tensor packed by a hook escapes autograd's check
+    that it was not changed in place, which a replay must see fail as training would.
+    This is torch's private stack of default hooks (``_top`` / ``_pop`` / ``_push``, what
+    ``torch.autograd.graph.saved_tensors_hooks`` itself calls): the one place remat
+    reaches into it, tested in ``tests/profiler/test_profiler_capture.py``.
+    """
+    autograd = torch._C._autograd
+    popped = []
+    while True:
+        top = autograd._top_saved_tensors_default_hooks(False)
+        if top is None:  # not inside the pass: nothing to take off
+            break
+        autograd._pop_saved_tensors_default_hooks()
+        popped.append(top)
+        if top[0] is _drop:
+            break
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(popped):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@contextlib.contextmanager
+def outside_autocast() -> Iterator[None]:
+    """The block runs as if no ``torch.autocast`` region were open around it.
+
+    A replay inside the capture pass opens the loop's autocast itself for its forward
+    and runs its backward outside it, as a training loop does; and its own region must
+    be the outermost one, since autocast's cache of weight casts is emptied only when
+    the outermost region ends (what the replay measures as the unit's cache). So the
+    pass's regions are closed for the block and reopened after it, as they were.
+    """
+    saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+             for d in _AUTOCAST_DEVICES]
+    cache = torch.is_autocast_cache_enabled()
+    depth = 0  # how many regions are open: closed one by one, reopened after
+    while True:
+        left = torch.autocast_decrement_nesting()
+        if left < 0:  # none was open
+            torch.autocast_increment_nesting()
+            break
+        depth += 1
+        if left == 0:
+            break
+    try:
+        for d, _, _ in saved:
+            torch.set_autocast_enabled(d, False)
+        yield
+    finally:
+        for _ in range(depth):
+            torch.autocast_increment_nesting()
+        for d, enabled, dtype in saved:
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, dtype)
+        torch.set_autocast_cache_enabled(cache)
+
+
 def trace_units(
     model: nn.Module,
     units: list[tuple[str, nn.Module]],
     run_forward: Callable[[], Any],
+    *,
+    on_unit: Callable[[UnitCall], None] | None = None,
+    ops_between: Mapping[tuple[str, str], int] | None = None,
 ) -> UnitTrace:
     """Run ``run_forward()`` once with capture hooks on ``units``; check order and chain.
 
-    ``run_forward`` runs the model's forward (and the loss); its result is dropped.
+    ``run_forward`` runs the model's forward (and the loss); its result is dropped. The
+    pass keeps no saved tensor (no backward runs), so it holds what the model's code
+    references and no more. With ``on_unit``, it is called at each unit's first call,
+    before the unit runs, with the call's captured inputs (the replays of
+    :mod:`.replay` run there, on the live input, under autograd's own saving); the
+    captured inputs are released after it, and the RNG and the unit's buffers are put
+    back, so the forward goes on as if nothing had run. Without it the calls keep
+    their inputs (for a caller that inspects them).
+
+    ``ops_between`` gives, per pair of consecutive units, how many ops run between them
+    (:func:`ops_between_units` reads them off the pass that recorded the saves); without
+    it a dispatch mode counts them here, which would also slow the replays it wraps.
 
     Raises:
         ProfileError: a unit did not run, or ran more than once in one forward.
@@ -149,6 +256,13 @@ def trace_units(
     breaks: list[str] = []
     counter = _OpCounter()
     prev_output: list[torch.Tensor | None] = [None]
+    inputs: list[weakref.ref | None] = []  # per unit in order, its boundary input's storage
+    kept: list[bool] = []
+
+    def check_kept(i: int) -> None:
+        ref = inputs[i]
+        kept.append(ref is not None and ref() is not None)
+        inputs[i] = None
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         call = by_module[id(module)]
@@ -160,16 +274,31 @@ def trace_units(
         located = boundary_input(args, kwargs)
         first = located[1] if located is not None else None
         if len(order) > 1:
+            check_kept(len(order) - 2)
             prev = order[-2]
             if first is None or first is not prev_output[0]:
                 breaks.append(f"{call.name!r}'s first input is not {prev!r}'s output")
-            if counter.ops.get(counter.gap, 0):
-                breaks.append(
-                    f"{counter.ops[counter.gap]} op(s) run between {prev!r} and {call.name!r}"
-                )
+            ops = (counter.ops.get(counter.gap, 0) if ops_between is None
+                   else ops_between.get((prev, call.name), 1))
+            if ops:
+                breaks.append(f"{ops} op(s) run between {prev!r} and {call.name!r}")
+        # Unit 0's input is the batch or the prefix's: no link of the chain leads to it.
+        track = first is not None and len(order) > 1 and first.layout == torch.strided
+        inputs.append(weakref.ref(first.untyped_storage()) if track else None)
         call.args = tuple(_capture(a, first) for a in args)
         call.kwargs = {k: _capture(v, first) for k, v in kwargs.items()}
         call.rng = RngState.capture()
+        if on_unit is not None:
+            buffers = [(b, b.detach().clone()) for b in module.buffers()]
+            try:
+                with outside_autocast(), saving_as_autograd_does():
+                    on_unit(call)
+            finally:
+                call.release()
+                call.rng.restore()
+                with torch.no_grad():
+                    for b, value in buffers:
+                        b.copy_(value)
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         call = by_module[id(module)]
@@ -190,8 +319,13 @@ def trace_units(
         for _, module in units:
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
-        with counter:
-            run_forward()
+        counting = counter if ops_between is None else contextlib.nullcontext()
+        with counting, torch.autograd.graph.saved_tensors_hooks(_drop, _keep):
+            result = run_forward()
+        del result
+        prev_output[0] = None
+        if inputs:
+            check_kept(len(inputs) - 1)
     finally:
         for h in handles:
             h.remove()
@@ -212,7 +346,15 @@ def trace_units(
     chain = ChainCheck(not breaks, tuple(breaks))
     if breaks:
         log.info("units do not form a chain: %s", "; ".join(breaks[:3]))
-    return UnitTrace(order, calls, chain)
+    return UnitTrace(order, calls, chain, kept if on_unit is not None else [False] * len(order))
+
+
+def ops_between_units(record: SaveRecord, names: list[str]) -> dict[tuple[str, str], int]:
+    """Per pair of units that ran one after the other in ``record``'s pass, how many ops
+    ran between the first's end and the second's start."""
+    calls = sorted((c for c in (record.call(n) for n in names) if c is not None),
+                   key=lambda c: c.index)
+    return {(a.name, b.name): b.enter_op - a.exit_op for a, b in zip(calls, calls[1:])}
 
 
 def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None,

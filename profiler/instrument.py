@@ -1,8 +1,12 @@
-"""The instrumented baseline step: what the code *outside* the units costs.
+"""The outside step: what the code *outside* the units costs, measured in a real step.
 
-One ordinary training step (no checkpointing) runs under a :class:`TimelineMeter`
-with marks at every unit boundary, each kept by the unit's own record
-(:class:`_UnitWatch`):
+One training step of the loop runs with every unit a stub (:mod:`.stub`: its own
+forward under ``no_grad``, nothing saved, a gradient of ones for each of its inputs in
+backward), under a :class:`TimelineMeter` with marks at every unit boundary, each kept
+by the unit's own record (:class:`_UnitWatch`). The units' own costs are the replays'
+(:mod:`.replay`); this step never holds more than the code outside the units and one
+unit's forward, so profiling a model that does not fit runs within the memory of the
+most frugal plan.
 
 * forward pre/post hooks on the units mark where each unit starts and ends;
 * tensor hooks on each unit's boundary input and output mark where its backward
@@ -12,27 +16,17 @@ with marks at every unit boundary, each kept by the unit's own record
   tell whether the prefix / suffix / code between units holds a boundary;
 * post-hooks on the graph nodes that feed a parameter's ``AccumulateGrad`` tell
   in which backward phase its first gradient contribution appears: that is where
-  its gradient bytes are counted. A parameter used twice (a tied embedding) has
-  its contributions summed before ``AccumulateGrad`` runs once, at the earlier
-  user's backward, but a gradient-sized buffer is alive from the later user's
-  backward (the first to run) on, and that is what the live bytes see.
+  its gradient bytes are counted (:mod:`.grads` adds the units' parameters). A
+  parameter used twice (a tied embedding) has its contributions summed before
+  ``AccumulateGrad`` runs once, at the earlier user's backward, but a gradient-sized
+  buffer is alive from the later user's backward (the first to run) on, and that is
+  what the live bytes see.
 
 Figures are then read off the per-storage timeline, so that ``simulate()`` adding
-them to the units' isolated figures reproduces this step. In particular
+them to the units' isolated figures reproduces the step. In particular
 ``held_bytes`` of the prefix/suffix are the storages that code allocated and that
 are still alive when the forward pass ends; off a chain, what the code between
 units holds is folded into the prefix's ``held_bytes``.
-
-On a chain the step also gives each unit's **keep** figures, exactly as an
-isolated metered replay defines them (:func:`~remat.profiler.replay.measure_option`),
-so that replay need not run: its forward peak and held bytes are what the unit
-allocated between its marks, its backward peak what its backward added above the
-live bytes at its start (the output's gradient is already live there, as the
-replay counts it), whether it holds its input / output is whether its own code
-saved that storage, and its input gradient is the one its input's hook sees.
-Where the step cannot tell (see :func:`_keep_figures`) the replay runs. The
-figures equal the replay's on every reference model and on the test models
-(``tests/profiler/test_profiler_baseline.py`` checks it).
 """
 
 from __future__ import annotations
@@ -51,10 +45,10 @@ from remat.core.errors import ProfileError
 from remat.execute.boundary import boundary_input, boundary_output
 from remat.measurement.runner import StepRunner, output_tensors
 from remat.measurement.storage import storage_nbytes
-from remat.profiler.replay import OptionFigures
+from remat.profiler.stub import give_missing_grads, stubbed
 from remat.profiler.timeline import TimelineMeter
 
-__all__ = ["BaselineStep", "OutsideFigures", "UnitInStep", "instrumented_step"]
+__all__ = ["OutsideFigures", "OutsideStep", "ParamGrad", "UnitInStep", "instrumented_step"]
 
 log = logging.getLogger("remat")
 
@@ -73,7 +67,19 @@ class OutsideFigures:
     held_bytes: int = 0
     fwd_peak_bytes: int = 0
     bwd_peak_bytes: int = 0
-    param_grad_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ParamGrad:
+    """A parameter the outside code gave a gradient in the step: its ``id``, the bytes of
+    its gradient, and the backward phase of its first contribution (``("suffix",)``, or
+    ``("outside", i)``: after unit i's backward, the prefix for i = 0); ``in_flight``: its
+    contributions were summed in a buffer across phases (a tied embedding)."""
+
+    param_id: int
+    nbytes: int
+    phase: Phase
+    in_flight: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,11 +95,6 @@ class UnitInStep:
         input_held_outside, output_held_outside: code outside the unit (and, on a
             chain, outside its neighbour) saved that storage for backward.
         input_is_prev_output: its input storage is the previous unit's output storage.
-        param_grad_bytes: parameter-gradient bytes first allocated in its backward.
-        held_bytes: what it allocated in its forward and still held at the end of
-            the forward pass, its output excluded.
-        keep: on a chain, its keep figures read off the step (``None`` where the step
-            cannot tell them, see :func:`_keep_figures`).
         input_grad_kept_until: off a chain, the unit through whose backward the code
             before this one kept its input's gradient (``-1``: the prefix); ``None``:
             consumed at once (``UnitProfile.input_grad_kept_until``).
@@ -104,9 +105,6 @@ class UnitInStep:
     input_held_outside: bool
     output_held_outside: bool
     input_is_prev_output: bool
-    param_grad_bytes: int
-    held_bytes: int
-    keep: OptionFigures | None = None
     input_grad_kept_until: int | None = None
 
 
@@ -134,8 +132,8 @@ class SharedInStep:
 
 
 @dataclass(frozen=True)
-class BaselineStep:
-    """Byte figures of the outside code and the unit boundaries, from one instrumented step.
+class OutsideStep:
+    """Byte figures of the outside code and the unit boundaries, from the outside step.
 
     All bytes are above the fixed bytes. Storages in ``shared`` are in no other
     figure: not in the prefix's, the suffix's or a unit's held bytes, nor in the
@@ -155,18 +153,13 @@ class BaselineStep:
     phase_ms: Mapping[str, float] = field(default_factory=dict)
     loss_storage_bytes: int = 0
     output_bytes: int = 0
-    grad_in_flight_bytes: int = 0
     last_output_kept: bool = False
     shared: tuple[SharedInStep, ...] = ()
+    param_grads: tuple[ParamGrad, ...] = ()
 
     @property
     def n(self) -> int:
         return len(self.units)
-
-    @property
-    def keep(self) -> list[OptionFigures | None]:
-        """Per unit its keep figures read off the step; empty off a chain."""
-        return [u.keep for u in self.units] if self.is_chain else []
 
 
 # ---------------------------------------------------------------------------------
@@ -314,16 +307,16 @@ def instrumented_step(
     units: list[tuple[str, nn.Module]],
     *,
     is_chain: bool,
-) -> BaselineStep:
-    """Run one instrumented micro-batch of the runner's loop and its optimizer step;
-    ``units`` in execution order.
+) -> OutsideStep:
+    """Run one instrumented micro-batch of the runner's loop and its optimizer step with
+    every unit a stub (see the module docstring); ``units`` in execution order.
 
     Gradients must be ``None`` on entry (they are allocated inside the region).
     """
     model, loop = runner.model, runner.loop
     meter = TimelineMeter(device_type=runner.device_type, allocator=True)
-    grad_records: dict[int, int] = {}  # gradient storage record -> tick it is counted from
-    with meter:
+    grad_records: dict[int, tuple[int, int]] = {}  # gradient record -> (tick, id(param))
+    with stubbed([m for _, m in units]), meter:
         watch = _StepWatch(meter, units)
         try:
             for _, m in units:
@@ -355,8 +348,10 @@ def instrumented_step(
                 rec = meter.record_of(p.grad)
                 if rec is not None:
                     tick = watch.first_grad_tick.get(id(p), meter.records[rec].born)
-                    grad_records[rec] = min(tick, grad_records.get(rec, tick))
+                    if rec not in grad_records or tick < grad_records[rec][0]:
+                        grad_records[rec] = (tick, id(p))
                     in_flight[rec] = (tick, watch.accumulated_tick.get(id(p), tick))
+            give_missing_grads(runner.params)  # the units' own, as a real step has them
             runner.optimizer_step()
             del kept
         finally:
@@ -369,13 +364,16 @@ def instrumented_step(
             f"units {missing} ran in the first forward pass but not in the second; the "
             "profiler needs the same units to run on every step with this batch"
         )
-    step = _figures(watch, is_chain, grad_records, loss_bytes, output_records)
+    step = _figures(watch, is_chain, loss_bytes, output_records)
     # A parameter used in two phases (an embedding tied to the LM head) has its first
     # contribution summed in a buffer until the last phase hands the sum to .grad:
     # when .grad is alive already, that buffer is extra, from one phase to the other.
-    grad_in_flight = sum(meter.records[rec].nbytes for rec, (first, done) in in_flight.items()
-                         if watch.backward_phase(first) != watch.backward_phase(done))
-    return replace(step, loss_storage_bytes=loss_storage_bytes, grad_in_flight_bytes=grad_in_flight)
+    grads = tuple(
+        ParamGrad(param_id, meter.records[rec].nbytes, watch.backward_phase(tick),
+                  watch.backward_phase(in_flight[rec][0])
+                  != watch.backward_phase(in_flight[rec][1]))
+        for rec, (tick, param_id) in grad_records.items())
+    return replace(step, loss_storage_bytes=loss_storage_bytes, param_grads=grads)
 
 
 def _hook_gradient_producers(
@@ -445,10 +443,9 @@ def _shared(w: _StepWatch, is_chain: bool) -> dict[int, SharedInStep]:
 def _figures(
     w: _StepWatch,
     is_chain: bool,
-    grad_records: dict[int, int],
     loss_bytes: int,
     output_records: set[int | None] = frozenset(),
-) -> BaselineStep:
+) -> OutsideStep:
     meter, units = w.meter, w.units
     first, last = units[0], units[-1]
     F = w.forward_end.tick
@@ -495,18 +492,6 @@ def _figures(
         suffix_bwd_peak = meter.rise(w.forward_end.index, last.bwd_start.index)
     if first.bwd_end is not None:
         prefix_bwd_peak = meter.rise(first.bwd_end.index, w.backward_end.index)
-    unit_param_grad = [0] * len(units)
-    suffix_param_grad = prefix_param_grad = 0
-    for rec, tick in grad_records.items():
-        phase = w.backward_phase(tick)
-        nbytes = meter.records[rec].nbytes
-        if phase[0] == "unit":
-            unit_param_grad[phase[1]] += nbytes
-        elif phase[0] == "suffix":
-            suffix_param_grad += nbytes
-        else:  # the prefix, and off a chain the code between units
-            prefix_param_grad += nbytes
-
     # -- the units and their boundaries -----------------------------------------------
     def neighbours(i: int, step: int) -> set[Phase]:
         own = {("unit", i)}
@@ -515,9 +500,6 @@ def _figures(
     records = []
     for u in units:
         i = u.index
-        held = meter.alive_bytes(F, born_after=u.fwd_start.tick, born_until=u.fwd_end.tick,
-                                 exclude=[u.output_record, *modelled])
-        held += meter.hidden_held(u.fwd_start.index, u.fwd_end.index)
         # Off a chain a shared input is counted as shared only (on a chain it is the
         # previous unit's output too, and stays the boundary).
         input_shared = not is_chain and u.input_record in shared
@@ -540,14 +522,11 @@ def _figures(
                                  and w.held_outside(u.output_record, neighbours(i, +1))),
             input_is_prev_output=(i > 0 and u.input_record is not None and not input_shared
                                   and u.input_record == units[i - 1].output_record),
-            param_grad_bytes=unit_param_grad[i],
-            held_bytes=held,
             # A shared input's gradient is the shared tensor's (SharedInStep.grad_bytes).
             input_grad_kept_until=(None if is_chain or input_shared
                                    else _input_grad_kept_until(w, u)),
         )
-        keep = _keep_figures(w, u, held) if is_chain else None
-        records.append(in_step if keep is None else _with_keep(in_step, keep))
+        records.append(in_step)
 
     # -- wall time of the outside phases (under instrumentation: proportions only) ----
     end_fwd = w.forward_end.clock
@@ -560,12 +539,12 @@ def _figures(
         "prefix_bwd": (w.backward_end.clock - first.bwd_end.clock) * 1e3
         if first.bwd_end else 0.0,
     }
-    step = BaselineStep(
+    step = OutsideStep(
         units=tuple(records),
         is_chain=is_chain,
         prefix=OutsideFigures(prefix_held, meter.rise(w.start.index, first.fwd_start.index),
-                              prefix_bwd_peak, prefix_param_grad),
-        suffix=OutsideFigures(suffix_held, suffix_fwd_peak, suffix_bwd_peak, suffix_param_grad),
+                              prefix_bwd_peak),
+        suffix=OutsideFigures(suffix_held, suffix_fwd_peak, suffix_bwd_peak),
         peak_bytes=meter.overall_peak_bytes,
         held_after_forward_bytes=w.forward_end.live_bytes,
         forward_transient_bytes=forward_transient,
@@ -575,8 +554,8 @@ def _figures(
         last_output_kept=last_output_kept,
         shared=tuple(shared.values()),
     )
-    log.debug("baseline step: held after forward %d B, peak %d B, per-unit held in step %s",
-              step.held_after_forward_bytes, step.peak_bytes, [u.held_bytes for u in records])
+    log.debug("outside step: held after forward %d B, peak %d B",
+              step.held_after_forward_bytes, step.peak_bytes)
     return step
 
 
@@ -599,45 +578,3 @@ def _input_grad_kept_until(w: _StepWatch, u: _UnitWatch) -> int | None:
         return None  # passed on as unit k's output gradient, which the model counts
     # A concatenation's backward hands unit k a view of it: more than k's output.
     return k
-
-
-def _with_keep(u: UnitInStep, keep: OptionFigures) -> UnitInStep:
-    return UnitInStep(u.input_bytes, u.output_bytes, u.input_held_outside, u.output_held_outside,
-                      u.input_is_prev_output, u.param_grad_bytes, u.held_bytes, keep)
-
-
-def _keep_figures(w: _StepWatch, u: _UnitWatch, held: int) -> OptionFigures | None:
-    """Unit ``u``'s keep figures read off the step, as
-    :func:`~remat.profiler.replay.measure_option` defines them; ``None`` where the step
-    cannot tell.
-
-    It cannot when a boundary storage is not the step's (the batch: whether the unit
-    holds it is not on the timeline); when one outlives the step (something other than
-    autograd holds it, a module caching its output, say: the replay sees that holder,
-    the saved-tensor records do not); or when the backward's marks are not those of
-    the replay's backward: the replay seeds the output's gradient when the output
-    requires grad (both marks then needed, the input's only when it takes a
-    gradient) and runs no backward otherwise (no mark may then appear either).
-    """
-    meter = w.meter
-    marked = (u.bwd_start is not None, u.bwd_end is not None)
-    if u.input_record is None or u.output_record is None:
-        return None
-    if marked != (u.output_needs_grad, u.output_needs_grad):
-        return None
-    if meter.records[u.input_record].died is None or meter.records[u.output_record].died is None:
-        return None
-    own = ("unit", u.index)
-    bwd_peak = 0
-    if u.output_needs_grad:
-        assert u.bwd_start is not None and u.bwd_end is not None
-        bwd_peak = meter.rise(u.bwd_start.index, u.bwd_end.index)
-    assert u.fwd_start is not None and u.fwd_end is not None
-    return OptionFigures(
-        held_bytes=max(held, 0),
-        holds_input=w.saved_by(u.input_record, own),
-        holds_output=w.saved_by(u.output_record, own),
-        fwd_peak_bytes=meter.rise(u.fwd_start.index, u.fwd_end.index),
-        bwd_peak_bytes=max(bwd_peak, 0),
-        input_grad_bytes=u.input_grad_bytes,
-    )

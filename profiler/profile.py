@@ -1,89 +1,74 @@
-"""``profile()``: measure a model's training step unit by unit, for the solver.
+"""``profile()``: measure a model's training step unit by unit, for the solver, without
+ever running the step it measures.
 
-The passes, in order (none changes the model: everything is restored at the end,
-also on error):
+People profile because their step does not fit; so no pass runs the unplanned step,
+and every pass holds at most what the most frugal plan holds. The passes, in order
+(none changes the model: everything is restored at the end, also on error):
 
 0. **units** (:mod:`.saves`, :mod:`.choice`): one forward pass records what every
-   module saves for backward; the units are discovered on it (or taken from
-   ``units=``) and their coverage of the step's activation memory measured;
-1. **capture** (:mod:`.capture`): one forward pass records the units' order,
-   inputs and RNG states, and whether they form a chain;
-2. **optimizer** (when one is given): two steps create its state; the second
-   ``optimizer.step()`` is metered (``optimizer_step_peak_bytes``);
-3. **baseline** (:mod:`.instrument`): one instrumented training step gives the
-   prefix/suffix figures, the boundary flags, the measured peak and, on a chain,
-   the units' keep bytes;
-4. **step time**: up to ``repeats`` timed plain training steps, no meter, no hooks;
-5. **units** (:mod:`.replay`): each unit replayed alone under each option, once
-   under the meter (not keep when the baseline step gave its bytes), then
-   timed up to ``repeats`` times (twin units, :mod:`.twins`, share one timing).
-   An option that fails on a unit (selective checkpointing of a tensor mutated in
-   place, a recomputation torch refuses) is dropped for that unit, with a warning
-   naming the unit, the option and the reason; the unit's ``options`` lack it.
+   module saves for backward, as sizes (the tensors are dropped); the units are
+   discovered on it (or taken from ``units=``) and their coverage measured;
+1. **capture and replays** (:mod:`.capture`, :mod:`.unit_figures`): one forward pass,
+   saving nothing, records the units' order, whether they form a chain and which
+   links the model's code keeps; at each unit's call, the unit is replayed alone on its
+   live input under each option, metered once and timed (twins, :mod:`.twins`, once);
+2. **outside time** (:mod:`.outside_time`): steps whose units are stubs (:mod:`.stub`:
+   their forward under ``no_grad``, a gradient of ones for their inputs) time the code
+   outside the units; with an optimizer, the first two also meter ``optimizer.step()``
+   (its state and its step's peak);
+3. **outside step** (:mod:`.instrument`): one instrumented stub step gives the
+   prefix/suffix figures, the boundaries and who holds them, shared tensors, what the
+   loop keeps, and where the outside code's parameter gradients appear.
+
+The figures of the unplanned step (the no-checkpoint peak, its time) are derived from
+these by ``simulate()``, not run; ``meta["outside_step_peak_bytes"]`` is the peak the
+outside step measured.
 
 Timed runs stop early once those taken bracket the median of ``repeats`` tightly
 enough (``tolerance``): with three repeats, two runs that agree within 5% do.
 
-Warm-up: a metered run executes the same kernels and allocations as a plain one,
-so it is the first of the ``warmup`` un-timed runs (the metered replay for each
-unit option, the instrumented step right before for the step time); ``warmup - 1``
-more run before timing starts. Where keep is not replayed under the meter, the unit's
-other metered replays stand in for it: checkpoint's backward reruns the forward
-with autograd saving, as keep does, then keep's backward (timing right after them
-gives the same keep times as before, within noise).
+Units are timed alone, not inside steps: on CPU a unit's time inside a step includes
+page faults on memory the allocator gave back between steps, which recomputing it in a
+planned step does not pay (timed in the steps, checkpoint's extra time came out about
+40% too high on the small MLP and CNN).
 
-Units are timed alone, not inside the timed steps: on CPU a unit's time inside a
-step includes page faults on memory the allocator gave back between steps, which
-recomputing it in a planned step does not pay (timed in the steps, checkpoint's
-extra time came out about 40% too high on the small MLP and CNN).
-
-How the figures become a :class:`Profile` (and why prefix/suffix times are
-derived) is in :mod:`.assemble`.
+How the figures become a :class:`Profile` (and why the step's and the prefix/suffix
+times are derived) is in :mod:`.assemble`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections import Counter
-from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from remat.core.checks import check_profile_args
-from remat.core.errors import ProfileError
+from remat.core.errors import DeviceMemoryError, ProfileError
 from remat.core.loop import Loop, loop_or_default
 from remat.core.option import Option
 from remat.core.profile import Profile
 from remat.execute.planned import has_plan
-from remat.measurement.runner import LossFn, StepRunner, call_model, model_device
-from remat.measurement.state import ModelState, clear_grads, training_session
-from remat.measurement.step import time_steps
-from remat.measurement.storage import batch_bytes, fixed_bytes
-from remat.measurement.storage import storage_bytes as tensor_storage_bytes
+from remat.measurement.runner import LossFn, StepRunner, model_device
+from remat.measurement.state import clear_grads, training_session
+from remat.measurement.storage import batch_bytes, fixed_bytes, storage_bytes
 from remat.measurement.timing import Stopwatch
 from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
-from remat.profiler.capture import UnitCall, UnitTrace, trace_units
+from remat.profiler.capture import ops_between_units, trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
+from remat.profiler.grads import place_grads
 from remat.profiler.instrument import instrumented_step
-from remat.profiler.links import inputs_kept_by_caller
-from remat.profiler.optimizer import optimizer_figures
+from remat.profiler.outside_time import time_outside
 from remat.profiler.progress import Progress
-from remat.profiler.replay import (
-    OPTION_ERRORS,
-    OptionFailure,
-    OptionFigures,
-    TimingSamples,
-    UnitTiming,
-    measure_option,
-    time_unit,
-)
+from remat.profiler.replay import OptionFigures
 from remat.profiler.saves import record_saves
-from remat.profiler.twins import signature
+from remat.profiler.unit_figures import TimingPolicy, UnitMeasurer
 from remat.profiler.units import UnitsSpec, discover_units
 
 __all__ = ["default_options", "profile", "profile_levels"]
@@ -110,17 +95,6 @@ def _resolve_options(options: Iterable[str | Option] | None, device: torch.devic
         if value not in chosen:
             chosen.append(value)
     return chosen
-
-
-@dataclass(frozen=True)
-class _TimingPolicy:
-    """How units are timed: un-timed rounds first, at most ``repeats`` timed rounds,
-    early stop within ``tolerance``, twins pooled or not."""
-
-    warmup: int
-    repeats: int
-    tolerance: float
-    pool_twins: bool
 
 
 def profile(
@@ -272,67 +246,65 @@ def _profile(
 ) -> tuple[Profile, UnitChoice]:
     """One profile of ``model`` at granularity ``level`` (``"auto"`` as ``"blocks"``,
     recording the children to compare), and the choice of its units."""
-    loss_fn, optimizer, loop = settings.loss_fn, settings.optimizer, settings.loop
-    warmup, repeats, tolerance = settings.warmup, settings.repeats, settings.tolerance
-    pool_twins = settings.pool_twins
+    optimizer, loop = settings.optimizer, settings.loop
     given = discover_units(model, units) if units is not None else None
     device = model_device(model)
     opts = _resolve_options(settings.options, device)
     watch = Stopwatch(device)
-    bar = Progress(4 + (optimizer is not None), settings.progress)
+    bar = Progress(3, settings.progress)
     started = time.perf_counter()
+    more_warmup = max(settings.warmup - 1, 0)  # a metered run is the first warm-up run
     try:
         with training_session(model, optimizer) as state:
-            params = state.params
-            runner = StepRunner(model, sample_batch, loss_fn, optimizer, loop, device.type)
-            bar.step("units")
-            record = record_saves(model, runner.forward)
+            runner = StepRunner(model, sample_batch, settings.loss_fn, optimizer, loop,
+                                device.type)
+            with _out_of_memory_is_named("the forward pass that records what modules save"):
+                bar.step("units")
+                record = record_saves(model, lambda: runner.forward(autocast_cache=False))
             state.rng.restore()
             state.restore_buffers()
             choice = choose(model, record, units, given, level)
+            unit_bytes = dict(choice.coverage.per_unit)
+            ops = ops_between_units(record, choice.names)
+            recorded = {name: (call.ops, record.saved_inside(call.index))
+                        for name in choice.names if (call := record.call(name)) is not None}
             del record
-            found = choice.units
-            bar.total += len(found)  # now known
-            bar.step("capture")
-            losses = []
-            trace = trace_units(model, found, lambda: losses.append(runner.forward()[1]))
+            bar.total += len(choice.units)  # now known
+            measurer = UnitMeasurer(
+                opts, runner, watch,
+                TimingPolicy(more_warmup, settings.repeats, settings.tolerance,
+                             settings.pool_twins),
+                bar, needs_bytes=lambda name: unit_bytes.get(name, 0),
+                recorded=recorded.get)
+            with _out_of_memory_is_named("the forward pass that replays the units"):
+                trace = trace_units(model, choice.units,
+                                    lambda: runner.forward(autocast_cache=False),
+                                    on_unit=measurer, ops_between=ops)
+            clear_grads(state.params)
+            state.rng.restore()
+            state.restore_buffers()
+            measurer.check_some_option_runs()
+            measurer.log_twins()
             ordered = [(name, trace.calls[name].module) for name in trace.order]
-            # Its backward warms the kernels up: a kernel's first run can allocate what
-            # later runs reuse (oneDNN's scratch), which no metered run should count.
-            runner.backward(losses.pop())
-            clear_grads(params)
-            state.rng.restore()
-            state.restore_buffers()
-            kept_inputs = (inputs_kept_by_caller(ordered, lambda: call_model(model, sample_batch))
-                           if trace.chain.is_chain else [False] * len(ordered))
-            state.rng.restore()
-            state.restore_buffers()
+            modules = [m for _, m in ordered]
 
-            opt_state, opt_peak = 0, 0
-            if optimizer is not None:
-                bar.step("optimizer")
-                opt_state, opt_peak = optimizer_figures(runner)
+            with _out_of_memory_is_named("the code outside the units"):
+                bar.step("outside time")
+                outside = time_outside(runner, modules, state, watch, warmup=settings.warmup,
+                                       repeats=settings.repeats, tolerance=settings.tolerance)
                 state.rng.restore()
                 state.restore_buffers()
-
-            bar.step("baseline step")
-            watch.sync()
-            fixed = fixed_bytes(model, optimizer) + batch_bytes(sample_batch, device)
-            base = instrumented_step(runner, ordered, is_chain=trace.chain.is_chain)
-            clear_grads(params)
+                bar.step("outside step")
+                watch.sync()
+                fixed = fixed_bytes(model, optimizer) + batch_bytes(sample_batch, device)
+                base = instrumented_step(runner, ordered, is_chain=trace.chain.is_chain)
+            clear_grads(state.params)
             state.rng.restore()
             state.restore_buffers()
-
-            # Right after the instrumented step, its warm-up (the allocator holds a
-            # whole step's memory; after the unit replays it would not).
-            more_warmup = max(warmup - 1, 0)  # the metered run was the first
-            bar.step("step time")
-            step = time_steps(runner, state, watch, warmup=more_warmup, repeats=repeats,
-                              tolerance=tolerance)
-
-            policy = _TimingPolicy(more_warmup, repeats, tolerance, pool_twins)
-            figures, timings = _measure_units(trace, ordered, opts, base.keep, runner, watch,
-                                              state, bar, policy)
+            places = place_grads(
+                state.params, modules, base.param_grads,
+                {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
+                 if name in measurer.trained})
     finally:
         bar.close()
 
@@ -340,17 +312,16 @@ def _profile(
         units=ordered,
         chain=trace.chain,
         base=base,
-        figures=figures,
-        timings=timings,
-        step=step,
+        figures=measurer.figures,
+        timings=measurer.timings,
+        outside=outside,
+        grads=places,
         fixed_bytes=fixed,
-        param_bytes=tensor_storage_bytes(model.parameters()),
-        buffer_bytes=tensor_storage_bytes(model.buffers()),
-        optimizer_state_bytes=opt_state,
-        optimizer_step_peak_bytes=opt_peak,
+        param_bytes=storage_bytes(model.parameters()),
+        buffer_bytes=storage_bytes(model.buffers()),
         loop=loop,
         batch_bytes=batch_bytes(sample_batch, device),
-        inputs_kept_by_caller=kept_inputs,
+        inputs_kept_by_caller=trace.kept_by_caller if trace.chain.is_chain else [],
     )
     seconds = time.perf_counter() - started
     result = build_profile(
@@ -358,20 +329,36 @@ def _profile(
         device=device,
         dtype=model_dtype(model),
         shapes=input_shapes(sample_batch),
-        meta={"torch": torch.__version__, "meter": "dispatch", "warmup": warmup,
-              "repeats": repeats, "tolerance": tolerance, "pool_twins": pool_twins,
-              "profile_s": round(seconds, 3)},
+        meta={"torch": torch.__version__, "meter": "dispatch", "warmup": settings.warmup,
+              "repeats": settings.repeats, "tolerance": settings.tolerance,
+              "pool_twins": settings.pool_twins, "profile_s": round(seconds, 3)},
     )
-    result = _with_coverage(result, choice, figures, opts)
+    result = _with_coverage(result, choice, measurer.figures, opts)
     log.info(
-        "profiled %d units of %s (%s, coverage %.0f%%) in %.2f s (%.1f steps): step %.2f ms, "
-        "peak %d B", result.n, type(model).__name__,
+        "profiled %d units of %s (%s, coverage %.0f%%) in %.2f s (%.1f steps): step %.2f ms "
+        "(derived), outside step peak %d B", result.n, type(model).__name__,
         "chain" if result.is_chain else "not a chain", 100 * choice.coverage.fraction, seconds,
-        seconds * 1e3 / max(step.step_ms, 1e-9), step.step_ms, result.measured_peak_bytes,
+        seconds * 1e3 / max(result.step_ms, 1e-9), result.step_ms,
+        result.meta["outside_step_peak_bytes"],
     )
     log.debug("profile phases (s): %s",
               {k: round(v, 3) for k, v in bar.durations().items()})
     return result, choice
+
+
+@contextlib.contextmanager
+def _out_of_memory_is_named(what: str) -> Iterator[None]:
+    """A device running out of memory in ``what`` is a :class:`DeviceMemoryError` saying so:
+    the pass already holds no more than the most frugal plan would, so it cannot be
+    made to fit by profiling differently."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        raise DeviceMemoryError(
+            f"the device ran out of memory in {what} ({' '.join(str(err).split())[:300]}); "
+            "profiling holds there no more than the most frugal plan's step would, so no "
+            "plan fits this device: use a smaller batch or a device with more memory"
+        ) from None
 
 
 def _with_coverage(
@@ -386,128 +373,3 @@ def _with_coverage(
     if dropped:
         meta["dropped_options"] = dropped
     return replace(result, coverage=choice.coverage.fraction, meta=meta)
-
-
-@dataclass
-class _Pool:
-    """Timing samples shared by twin units (one unit's alone when it has no twin)."""
-
-    samples: TimingSamples
-    members: list[str] = field(default_factory=list)
-    pending: UnitCall | None = None  # the last member timed, kept while more samples may be due
-
-
-def _measure_units(
-    trace: UnitTrace,
-    ordered: list[tuple[str, nn.Module]],
-    opts: list[str],
-    keep_in_step: list[OptionFigures | None],
-    runner: StepRunner,
-    watch: Stopwatch,
-    state: ModelState,
-    bar: Progress,
-    timing: _TimingPolicy,
-) -> tuple[dict[str, dict[str, OptionFigures]], dict[str, UnitTiming]]:
-    """Every unit under every option: metered once, then timed.
-
-    Keep is not metered where the baseline step measured it already
-    (``keep_in_step[i]``: the figures the replay gives, read off that step).
-
-    Twin units (:mod:`.twins`: the same signature and the same bytes under every
-    option) pool their timed samples: while more units with the signature are to
-    come, each is timed for one round right after its metered replays (its
-    warm-up), and once the pool's samples settle the remaining twins are only
-    metered. A pool still short of samples at the end times its last member more.
-    """
-    # checkpoint's extra time is by definition its recomputed forward, which the
-    # keep timing measures, so it is not timed again (a third of the timing cost).
-    timed = tuple(o for o in opts if o != Option.CHECKPOINT.value)
-    signatures = {name: signature(trace.calls[name]) if timing.pool_twins else name
-                  for name, _ in ordered}
-    still_to_come = Counter(signatures.values())
-    figures: dict[str, dict[str, OptionFigures]] = {}
-    pools: dict[Hashable, _Pool] = {}
-    pool_of: dict[str, _Pool] = {}
-    failures: list[tuple[str, OptionFailure]] = []
-    for i, (name, _module) in enumerate(ordered):
-        bar.step(f"unit {name}")
-        call = trace.calls[name]
-        in_step = keep_in_step[i] if i < len(keep_in_step) else None
-        figures[name] = {}
-        for o in opts:
-            result = in_step if o == Option.KEEP.value and in_step is not None else _try_option(
-                call, o, runner)
-            if isinstance(result, OptionFailure):
-                log.warning("unit %r: option %r dropped, it cannot run on this unit: %s",
-                            name, o, result.reason)
-                failures.append((name, result))
-                state.restore_buffers()
-            else:
-                figures[name][o] = result
-        sig = signatures[name]
-        still_to_come[sig] -= 1
-        unit_timed = tuple(o for o in timed if o in figures[name])
-        pool = pools.setdefault((sig, tuple(figures[name].items())),
-                                _Pool(TimingSamples(unit_timed)))
-        pool.members.append(name)
-        pool_of[name] = pool
-        if not pool.samples.settled(timing.repeats, timing.tolerance):
-            time_unit(call, pool.samples.options, runner, watch, warmup=timing.warmup,
-                      repeats=timing.repeats,
-                      tolerance=timing.tolerance, samples=pool.samples,
-                      max_rounds=1 if still_to_come[sig] else None)
-            if pool.pending is not None:
-                pool.pending.release()
-                pool.pending = None
-            if not pool.samples.settled(timing.repeats, timing.tolerance):
-                pool.pending, call = call, None  # kept: its twins may not come
-        # Replays ran BatchNorm's training forward again: put the running stats back.
-        state.restore_buffers()
-        if call is not None:
-            call.release()
-    for pool in pools.values():
-        if pool.pending is not None:
-            if not pool.samples.settled(timing.repeats, timing.tolerance):
-                time_unit(pool.pending, pool.samples.options, runner, watch,
-                          warmup=timing.warmup, repeats=timing.repeats,
-                          tolerance=timing.tolerance, samples=pool.samples)
-                state.restore_buffers()
-            pool.pending.release()
-    if len(pools) < len(ordered):
-        log.debug("timed %d units as %d groups of twins: %s", len(ordered), len(pools),
-                  [p.members for p in pools.values() if len(p.members) > 1])
-    _check_some_option_runs(failures, figures, opts)
-    timings = {name: pool_of[name].samples.timing() for name, _ in ordered}
-    return figures, timings
-
-
-def _try_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFigures | OptionFailure:
-    """The option's metered replay; an option other than keep that fails on the unit is
-    an :class:`OptionFailure`. Those options run only after the unit ran under keep in
-    the profiler's training steps, so what they raise comes from the option."""
-    if option == Option.KEEP.value:
-        return measure_option(call, option, runner)
-    try:
-        return measure_option(call, option, runner)
-    except OPTION_ERRORS as err:
-        clear_grads(runner.params)
-        return OptionFailure.of(option, err)
-
-
-def _check_some_option_runs(
-    failures: list[tuple[str, OptionFailure]],
-    figures: dict[str, dict[str, OptionFigures]],
-    opts: list[str],
-) -> None:
-    """Raise when options besides keep were asked for and none ran on any unit."""
-    if len(opts) < 2 or any(len(f) > 1 for f in figures.values()):
-        return
-    reasons = {}
-    for name, failure in failures:
-        reasons.setdefault(failure.option, f"{failure.reason} (unit {name!r})")
-    raise ProfileError(
-        "every option but keep failed on every unit, so no plan could save memory: "
-        + "; ".join(f"{o}: {r}" for o, r in reasons.items())
-        + ". Check that the units' forwards can be recomputed (no in-place change of their "
-        "inputs, the same tensors on every call), or pass units= naming other modules"
-    )

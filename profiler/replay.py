@@ -48,6 +48,7 @@ from remat.profiler.timeline import TimelineMeter
 __all__ = [
     "OPTION_ERRORS",
     "OptionFailure",
+    "OptionRunFailed",
     "OptionFigures",
     "TimingSamples",
     "UnitTiming",
@@ -87,6 +88,8 @@ class OptionFigures:
     bwd_peak_bytes: int
     input_grad_bytes: int
     forward_cache_bytes: int = 0  # freed when the loop's autocast region ends
+    # ids of the parameters its backward gave a gradient (the unit's own, and any other)
+    params_trained: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,9 @@ def _fresh_input(call: UnitCall) -> tuple[torch.Tensor | None, torch.Tensor | No
     return first.tensor.clone(), None
 
 
-def _root_grad(call: UnitCall) -> torch.Tensor:
+def _root_grad(y: torch.Tensor) -> torch.Tensor:
     """The scalar gradient that starts a replay's backward (the output's dtype and device)."""
-    return torch.ones((), dtype=call.out_dtype or torch.float32, device=call.out_device or "cpu")
+    return torch.ones((), dtype=y.dtype, device=y.device)
 
 
 def _alive(ref: weakref.ref | None) -> bool:
@@ -141,7 +144,6 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
     clear_grads(params)
     x_in, leaf = _fresh_input(call)
     args, kwargs = call.inputs(x_in)
-    root_grad = _root_grad(call)  # outside the region: a step's loss gradient is not ours
     with TimelineMeter(device_type=runner.device_type, allocator=True) as meter:
         begin = len(meter.marks)
         meter.mark("start")
@@ -156,6 +158,9 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
         held = meter.live_bytes - (storage_nbytes(y) if counted else 0)
         seed = _OutputGradSource.apply(y) if y is not None and y.requires_grad else None
         grad_bytes = y.numel() * y.element_size() if seed is not None else 0
+        # A scalar; live before the backward starts, so not in its rise (a step's loss
+        # gradient is not the unit's).
+        root_grad = _root_grad(y) if y is not None else None
         y_ref, x_ref = _storage_ref(y), _storage_ref(x_in)
         del y, x_in, args, kwargs
         holds_output, holds_input = _alive(y_ref), _alive(x_ref)
@@ -165,7 +170,8 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
             del seed
         meter.mark("backward")
         input_grad = storage_nbytes(leaf.grad) if leaf is not None else 0
-        del leaf
+        del leaf, root_grad
+        trained = frozenset(id(p) for p in params if p.grad is not None)
         clear_grads(params)
     # Read once the region has ended: the allocator's view is complete then.
     return OptionFigures(
@@ -176,6 +182,7 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
         bwd_peak_bytes=max(meter.rise(begin + 2, begin + 3) - grad_bytes, 0),
         input_grad_bytes=input_grad,
         forward_cache_bytes=max(cache_bytes, 0),
+        params_trained=trained,
     )
 
 
@@ -263,7 +270,7 @@ def time_unit(
     after ``max_rounds`` timed rounds. Samples are added to ``samples`` when given
     (twin units pool theirs), else to new ones.
     """
-    module, params, autocast = call.module, runner.params, runner.autocast
+    params = runner.params
     samples = samples if samples is not None else TimingSamples(tuple(options))
     limit = max_rounds if max_rounds is not None else repeats
     taken = 0
@@ -271,29 +278,51 @@ def time_unit(
         if round_ >= warmup and (taken >= limit or samples.settled(repeats, tolerance)):
             break
         for option in options:
-            call.rng.restore()
-            clear_grads(params)
-            x_in, leaf = _fresh_input(call)
-            args, kwargs = call.inputs(x_in)
-            del x_in
-            def forward(o: str = option, a: tuple = args, k: dict = kwargs) -> Any:
-                with autocast():
-                    return forward_with_option(module, o, module.forward, a, k)
-
-            out, f_ms = watch.time(forward)
-            del args, kwargs
-            y = boundary_output(out)
-            del out
-            seed = _OutputGradSource.apply(y) if y is not None and y.requires_grad else None
-            del y
-            b_ms = 0.0
-            if seed is not None:
-                root_grad = _root_grad(call)
-                _, b_ms = watch.time(lambda s=seed, g=root_grad: s.backward(g))
-            del seed, leaf
+            try:
+                f_ms, b_ms = _timed_replay(call, option, runner, watch)
+            except Exception as err:
+                clear_grads(params)
+                raise OptionRunFailed(option, err) from err
             if round_ >= warmup:
                 samples.add(option, f_ms, b_ms)
         if round_ >= warmup:
             taken += 1
     clear_grads(params)
     return samples
+
+
+class OptionRunFailed(Exception):
+    """A timed replay raised: which option it ran, and the error (``error``)."""
+
+    def __init__(self, option: str, error: Exception) -> None:
+        super().__init__(f"option {option!r}: {error}")
+        self.option = option
+        self.error = error
+
+
+def _timed_replay(call: UnitCall, option: str, runner: StepRunner,
+                  watch: Stopwatch) -> tuple[float, float]:
+    """One timed replay of ``call`` under ``option``: its forward and backward times."""
+    module, autocast = call.module, runner.autocast
+    call.rng.restore()
+    clear_grads(runner.params)
+    x_in, leaf = _fresh_input(call)
+    args, kwargs = call.inputs(x_in)
+    del x_in
+
+    def forward(a: tuple = args, k: dict = kwargs) -> Any:
+        with autocast():
+            return forward_with_option(module, option, module.forward, a, k)
+
+    out, f_ms = watch.time(forward)
+    del args, kwargs
+    y = boundary_output(out)
+    del out
+    seed = _OutputGradSource.apply(y) if y is not None and y.requires_grad else None
+    root_grad = _root_grad(y) if seed is not None else None
+    del y
+    b_ms = 0.0
+    if seed is not None:
+        _, b_ms = watch.time(lambda s=seed: s.backward(root_grad))
+    del seed, leaf
+    return f_ms, b_ms

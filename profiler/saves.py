@@ -17,8 +17,10 @@ list lengths. While the model's forward (and the loss) runs once:
 A storage is *held by* a set of disjoint modules when every save of it happened
 inside one of them: only then can a plan of those modules drop it. No backward
 runs (what is saved is known at the end of the forward), so the pass costs about
-one forward; the model is left as it was (the caller runs it inside
-:func:`~remat.measurement.state.training_session`).
+one forward, and the saves are recorded as sizes and dropped: the pack hook keeps
+nothing, so the pass holds only what the model's code references, as a no-grad
+forward does, never the unplanned step's activations. The model is left as it was
+(the caller runs it inside :func:`~remat.measurement.state.training_session`).
 """
 
 from __future__ import annotations
@@ -175,7 +177,8 @@ class _Recorder:
         self.producers: dict[int, list[tuple[weakref.ref, int]]] = {}  # id(tensor) -> calls
         self.saved: list[Saved] = []
         self.saved_at: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> saved index
-        self.inputs: dict[int, weakref.ref] = {}  # call -> its boundary input's storage
+        # id(storage) -> the calls whose boundary input it is (while it lives)
+        self.input_of: dict[int, list[tuple[weakref.ref, int]]] = {}
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         known = self.by_module.get(id(module))
@@ -191,9 +194,13 @@ class _Recorder:
             x = located[1]
             call.input_from = tuple(i for ref, i in self.producers.get(id(x), ()) if ref() is x)
             if x.layout == torch.strided:
-                self.inputs[call.index] = weakref.ref(x.untyped_storage())
+                st = x.untyped_storage()
+                self.input_of.setdefault(id(st), []).append((weakref.ref(st), call.index))
+                known = self.saved_at.get(id(st))
+                if known is not None and known[0]() is st:  # saved before this call
+                    call.input_saved = known[1]
                 if self.mode.is_fresh(x):
-                    call.input_fresh_bytes = x.untyped_storage().nbytes()
+                    call.input_fresh_bytes = st.nbytes()
         self.calls.append(call)
         self.by_module[id(module)] = call
         self.stack.append(call.index)
@@ -210,7 +217,7 @@ class _Recorder:
         if y is not None:
             self.producers.setdefault(id(y), []).append((weakref.ref(y), index))
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> None:
         self.mode.quiet += 1
         try:
             if self.mode.is_fresh(t):
@@ -221,23 +228,18 @@ class _Recorder:
                     self.saved_at[id(st)] = known
                     self.saved.append(Saved(st.nbytes()))
                 self.saved[known[1]].stacks.append(tuple(self.stack))
-            # A detached alias (same storage and lifetime) avoids a reference cycle
-            # through grad_fn when an op saves its own output.
-            return t.detach()
+                for ref, index in self.input_of.get(id(st), ()):
+                    if ref() is st and self.calls[index].input_saved is None:
+                        self.calls[index].input_saved = known[1]
+            # Nothing is kept: the pass runs no backward, so the forward holds only what
+            # its code references, as a no-grad forward does (see the module docstring).
+            return None
         finally:
             self.mode.quiet -= 1
 
     @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def resolve_inputs(self) -> None:
-        """Set each call's ``input_saved`` (while the forward's graph still holds the saves)."""
-        for index, ref in self.inputs.items():
-            st = ref()
-            known = self.saved_at.get(id(st)) if st is not None else None
-            if known is not None and known[0]() is st:
-                self.calls[index].input_saved = known[1]
+    def unpack(packed: None) -> torch.Tensor:
+        raise AssertionError("the saves pass runs no backward")
 
 
 def record_saves(model: nn.Module, run_forward: Callable[[], Any]) -> SaveRecord:
@@ -256,7 +258,6 @@ def record_saves(model: nn.Module, run_forward: Callable[[], Any]) -> SaveRecord
                                                    always_call=True))
         with mode, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
             result = run_forward()
-        rec.resolve_inputs()
         del result
     finally:
         for h in handles:

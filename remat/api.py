@@ -23,9 +23,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from remat.core.budget import of_activations
-from remat.core.checks import check_budget_arg, check_count, check_inputs, check_model, check_plan
+from remat.core.checks import (
+    check_budget_arg,
+    check_count,
+    check_inputs,
+    check_model,
+    check_plan,
+    check_profile_args,
+)
 from remat.core.errors import RematError
-from remat.core.loop import Loop
+from remat.core.loop import Loop, loop_or_default
 from remat.core.plan import Plan
 from remat.core.profile import Profile
 from remat.solver.resolve import resolve_budget
@@ -56,15 +63,31 @@ def profile(
     one holds half of their memory, profiles both levels and returns the one whose
     optimal plans are faster over a range of budgets (:mod:`remat.granularity`; it
     costs a second profile).
+
+    A second call on the same model with the same batch shapes, loop and options takes
+    the profile the first made (:mod:`remat.profile_cache`: any change to the model's
+    structure, shapes, dtypes or modes, or to the settings, measures anew).
     """
+    from remat.profile_cache import cached_profile
     from remat.profiler import profile_levels
 
-    blocks, children = profile_levels(model, sample_batch, granularity=granularity, **settings)
-    if children is None:
-        return blocks
-    from remat.granularity import pick_level
+    check_profile_args(model, sample_batch, loss_fn=settings.get("loss_fn"),
+                       optimizer=settings.get("optimizer"), loop=settings.get("loop"))
 
-    return pick_level(blocks, children)
+    def make() -> Profile:
+        blocks, children = profile_levels(model, sample_batch, granularity=granularity,
+                                          **settings)
+        if children is None:
+            return blocks
+        from remat.granularity import pick_level
+
+        return pick_level(blocks, children)
+
+    return cached_profile(
+        model, sample_batch, make, loss_fn=settings.get("loss_fn"),
+        optimizer=settings.get("optimizer"), loop=loop_or_default(settings.get("loop")),
+        units=settings.get("units"), options=settings.get("options"),
+        granularity=granularity, repeats=settings.get("repeats", 3))
 
 
 def _as_profile(

@@ -197,13 +197,16 @@ def _write_json(path: str, text: str) -> None:
 def cmd_profile(args: argparse.Namespace) -> None:
     import pandas as pd
 
+    from remat.solver.resolve import no_checkpoint_peak_bytes
+
     profile, _, label = _load_profile(args)
     frame = profile.to_frame()
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print(frame.to_string(index=False))
     print(
         f"\n{label}: {profile.n} units, chain={profile.is_chain}, step {profile.step_ms:.1f} ms, "
-        f"measured peak {mib(profile.measured_peak_bytes)} MiB on {profile.device}"
+        f"no-checkpoint peak {mib(no_checkpoint_peak_bytes(profile))} MiB (predicted) on "
+        f"{profile.device}"
     )
     if args.out:
         _write_json(args.out, profile.to_json())

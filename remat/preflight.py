@@ -88,7 +88,6 @@ class Estimate:
             ``persistent``, what checkpointing trades (``"50%"`` budgets half of it).
         no_checkpoint: the peak without checkpointing (:class:`Peak`).
         smallest: the smallest peak any plan reaches, and that plan.
-        measured_peak: the no-checkpoint peak the profiler measured, when it did.
         verdict: the answer for ``memory_budget``, when one was given.
         loop, device: the loop and the device the profile is for.
     """
@@ -102,7 +101,6 @@ class Estimate:
     activations: int
     no_checkpoint: Peak
     smallest: Peak
-    measured_peak: int | None
     loop: Loop
     device: str
     verdict: Verdict | None = None
@@ -118,6 +116,12 @@ class Estimate:
             return checked
         return checked.bytes_for(self.no_checkpoint.bytes, self.persistent)
 
+    @staticmethod
+    def _predicted() -> str:
+        """remat's profiler never runs the unplanned step (it may not fit): its peak is
+        ``simulate()``'s prediction, and the estimate says so."""
+        return "predicted, not run: "
+
     def to_frame(self) -> pd.DataFrame:
         """One row per figure: ``item``, ``bytes``, ``MiB``, ``note``."""
         import pandas as pd
@@ -132,12 +136,11 @@ class Estimate:
             ("persistent", self.persistent, "what no plan removes"),
             ("activations", self.activations, "no-checkpoint peak above persistent: what "
              "checkpointing trades ('100%')"),
-            ("no-checkpoint peak", self.no_checkpoint.bytes, self.no_checkpoint.where()),
+            ("no-checkpoint peak", self.no_checkpoint.bytes,
+             f"{self._predicted()}{self.no_checkpoint.where()}"),
             ("smallest peak", self.smallest.bytes,
              f"{self.smallest.where()}; plan {self.smallest.plan}"),
         ]
-        if self.measured_peak is not None:
-            rows.append(("measured no-checkpoint peak", self.measured_peak, "by the profiler"))
         if self.verdict is not None:
             rows.append(("budget", self.verdict.budget_bytes, self.verdict.status))
         return pd.DataFrame(
@@ -161,14 +164,12 @@ class Estimate:
                  "" if self.optimizer_state else "(no optimizer given)"),
             line("inputs", self.inputs, "(the batch on the device)"),
             line("activations", self.activations, "(no-checkpoint peak above the five above)"),
-            line("no-checkpoint peak", self.no_checkpoint.bytes, self.no_checkpoint.where()),
+            line("no-checkpoint peak", self.no_checkpoint.bytes,
+                 f"{self._predicted()}{self.no_checkpoint.where()}"),
             line("smallest peak", self.smallest.bytes,
                  f"{self.smallest.where()} (plan: {self.smallest.plan}; step "
                  f"{slowdown:+.1f}% time)"),
         ]
-        if self.measured_peak is not None:
-            lines.append(line("measured peak", self.measured_peak,
-                              "(no checkpointing, by the profiler)"))
         if self.verdict is not None:
             lines.append(self.verdict.describe(self.no_checkpoint, self.smallest))
         return "\n".join(lines)
@@ -205,10 +206,10 @@ def estimate(
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile
     else:
-        from remat.profiler import profile
+        from remat.api import profile
 
         prof = profile(model_or_profile, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
-                       units=units, options=options, loop=loop, repeats=1)
+                       units=units, options=options, loop=loop)
     return estimate_profile(prof, memory_budget)
 
 
@@ -234,7 +235,6 @@ def estimate_profile(profile: Profile, memory_budget: int | str | None = None) -
         activations=max(no_ckpt.bytes - persistent, 0),
         no_checkpoint=no_ckpt,
         smallest=smallest,
-        measured_peak=profile.measured_peak_bytes,
         loop=profile.loop,
         device=profile.device,
         verdict=verdict,

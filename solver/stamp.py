@@ -86,7 +86,6 @@ def activations_only(profile: Profile) -> Profile:
         optimizer_state_bytes=0,
         optimizer_step_peak_bytes=0,
         grad_in_flight_bytes=0,
-        measured_peak_bytes=None,
     )
     # Kept on the (frozen) profile like its event model: every plan stamped from one
     # profile (a frontier, verification's rounds) reuses it and its event model.

@@ -67,7 +67,7 @@ def test_verdicts() -> None:
 def test_estimate_from_the_model_profiles_once() -> None:
     ref = build("mlp", size="tiny", seed=0)
     est = remat.estimate(ref.model, ref.batch, loss_fn=ref.loss_fn, memory_budget="50%")
-    assert est.verdict is not None and est.measured_peak is not None
+    assert est.verdict is not None and "predicted, not run" in str(est)
     assert est.optimizer_state == 0 and "no optimizer given" in str(est)
 
 

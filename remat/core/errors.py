@@ -12,6 +12,7 @@ from remat.core.bytesize import format_bytes
 __all__ = [
     "ArgumentError",
     "BudgetError",
+    "DeviceMemoryError",
     "InfeasibleBudgetError",
     "LoopError",
     "LossNotFoundError",
@@ -99,6 +100,11 @@ def _where_it_peaks(event: str | None, parts: Mapping[str, int]) -> str:
             # Only activations shrink with checkpointing; say so when they are not the bulk.
             text += f" (the largest part is {shown[0][1]}; checkpointing only reduces activations)"
     return text
+
+
+class DeviceMemoryError(RematError):
+    """remat's own work (profiling a unit, the code outside the units) does not fit the
+    device's memory even in its most frugal form; the message names what and why."""
 
 
 class ProfileError(RematError, ValueError):

@@ -53,7 +53,9 @@ __all__ = [
     "UnitProfile",
 ]
 
-SCHEMA_VERSION = 2  # 2: the loop, shared tensors, kept output, autocast caches
+# 2: the loop, shared tensors, kept output, autocast caches; 3: no measured unplanned peak
+# (the profiler never runs the unplanned step: simulate() predicts it)
+SCHEMA_VERSION = 3
 
 
 
@@ -314,8 +316,9 @@ class Profile:
             storage is also part of ``suffix.held_bytes``; it is not freed with the
             suffix's other held bytes). Usually 8 bytes; CPU ``mse_loss`` returns a
             view of an input-sized buffer, so there it is a whole activation.
-        step_ms: median time of one ordinary training step without checkpointing.
-        measured_peak_bytes: measured peak of that step (``fixed_bytes`` included).
+        step_ms: the time of one ordinary training step without checkpointing (derived
+            by the profiler from the units' and the outside code's times: it never runs
+            that step; see :mod:`remat.profiler.assemble`).
         device, dtype: where and in what precision it was measured.
         input_shapes: the sample batch's tensor shapes, by argument name.
         meta: free-form notes (torch version, the meter used, ...).
@@ -363,7 +366,6 @@ class Profile:
     optimizer_step_peak_bytes: int = 0
     loss_bytes: int = 0
     step_ms: float = 0.0
-    measured_peak_bytes: int | None = None
     device: str = "cpu"
     dtype: str = "float32"
     input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
@@ -410,9 +412,6 @@ class Profile:
                 raise ProfileError(f"Profile.{name} must be an OutsideCost, got {kind}")
         _check_fields(self, ints=_PROFILE_INTS, bools=("is_chain", "last_output_kept"),
                       floats=("step_ms",))
-        if self.measured_peak_bytes is not None:
-            _set(self, "measured_peak_bytes", checked_bytes(
-                self.measured_peak_bytes, "Profile.measured_peak_bytes", ProfileError))
         checked_str(self.device, "Profile.device", ProfileError)
         checked_str(self.dtype, "Profile.dtype", ProfileError)
         _set(self, "input_shapes", _checked_shapes(self.input_shapes))

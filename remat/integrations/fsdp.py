@@ -133,7 +133,6 @@ def per_rank_profile(
         param_bytes=_shard(profile.param_bytes, world_size),
         optimizer_state_bytes=_shard(profile.optimizer_state_bytes, world_size),
         optimizer_step_peak_bytes=_shard(profile.optimizer_step_peak_bytes, world_size),
-        measured_peak_bytes=None,
         meta=meta,
     )
 

@@ -151,17 +151,20 @@ class StepRunner:
 
     # -- the pieces ---------------------------------------------------------------
     @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        """``torch.autocast`` with the loop's dtype, or nothing."""
+    def autocast(self, *, cache: bool = True) -> Iterator[None]:
+        """``torch.autocast`` with the loop's dtype, or nothing. ``cache=False``: without
+        autocast's cache of weight casts (the same values; a pass that must not hold every
+        weight's cast until its forward ends)."""
         if self.loop.autocast is None:
             yield
             return
-        with torch.autocast(self.device_type, dtype=getattr(torch, self.loop.autocast)):
+        with torch.autocast(self.device_type, dtype=getattr(torch, self.loop.autocast),
+                            cache_enabled=cache):
             yield
 
-    def forward(self) -> tuple[Any, torch.Tensor]:
+    def forward(self, *, autocast_cache: bool = True) -> tuple[Any, torch.Tensor]:
         """``(output, loss)`` of one micro-batch, under the loop's autocast."""
-        with self.autocast():
+        with self.autocast(cache=autocast_cache):
             output = call_model(self.model, self.batch)
             loss = compute_loss(output, self.batch, self.loss_fn)
         return output, loss

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from remat.core.errors import ProfileError
+from remat.measurement.host import host_copies
 
 __all__ = ["ModelState", "RngState", "check_not_lazy", "clear_grads", "training_session"]
 
@@ -134,6 +135,70 @@ def clear_grads(params: list[nn.Parameter]) -> None:
         p.grad = None
 
 
+@dataclass(frozen=True)
+class _HostTensor:
+    """A state tensor's copy in host memory, and the device it came from."""
+
+    tensor: torch.Tensor
+    device: torch.device
+
+
+@dataclass
+class OptimizerSnapshot:
+    """An optimizer's state and hyperparameters, its tensors copied to host memory
+    (:mod:`remat.measurement.host`), put back in place.
+
+    ``optimizer.load_state_dict`` would build every state tensor anew on the device
+    before the old ones go: twice Adam's state at once, on the device remat plans for.
+    :meth:`restore` copies into the live tensors instead, drops the state the steps
+    created for parameters that had none, and rebuilds (on their parameter's device)
+    only the tensors that are gone.
+    """
+
+    optimizer: torch.optim.Optimizer
+    # id(param) -> its state; a tensor as (its copy on the host, the device it was on)
+    state: dict[int, dict[str, Any]]
+    groups: list[dict[str, Any]]  # the param groups' hyperparameters
+
+    @classmethod
+    def capture(cls, optimizer: torch.optim.Optimizer) -> OptimizerSnapshot:
+        with host_copies():
+            state = {id(p): {k: (_HostTensor(v.detach().to("cpu", copy=True), v.device)
+                                 if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                             for k, v in s.items()}
+                     for p, s in optimizer.state.items()}
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                  for g in optimizer.param_groups]
+        return cls(optimizer, state, groups)
+
+    def restore(self) -> None:
+        opt = self.optimizer
+        for group, saved in zip(opt.param_groups, self.groups):
+            for key, value in saved.items():
+                group[key] = copy.deepcopy(value)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for p in params:
+                saved = self.state.get(id(p))
+                if saved is None:
+                    opt.state.pop(p, None)
+                    continue
+                live = opt.state.setdefault(p, {})
+                for key in [k for k in live if k not in saved]:
+                    del live[key]
+                for key, value in saved.items():
+                    now = live.get(key)
+                    if not isinstance(value, _HostTensor):
+                        live[key] = copy.deepcopy(value)
+                        continue
+                    host, device = value.tensor, value.device
+                    if (isinstance(now, torch.Tensor) and now.shape == host.shape
+                            and now.dtype == host.dtype and now.device == device):
+                        now.copy_(host)
+                    else:
+                        live[key] = host.to(device, copy=True)
+
+
 @dataclass
 class ModelState:
     """A restorable snapshot of a model (and optionally its optimizer).
@@ -154,7 +219,7 @@ class ModelState:
     _training: list[tuple[nn.Module, bool]] = field(default_factory=list)
     _dicts: list[_ModuleDict] = field(default_factory=list)
     _rng: RngState | None = None
-    _optimizer_state: dict[str, Any] | None = None
+    _optimizer_state: OptimizerSnapshot | None = None
 
     @classmethod
     def capture(
@@ -173,15 +238,15 @@ class ModelState:
         s._requires_grad = [p.requires_grad for p in s.params]
         if s.copy_params:
             # On the host: profiling must not need a second copy of the weights on the device.
-            s._param_values = [p.detach().to("cpu", copy=True) for p in s.params]
+            with host_copies():
+                s._param_values = [p.detach().to("cpu", copy=True) for p in s.params]
         s._buffers = [(b, b.detach().clone()) for b in model.buffers()]
         s._training = [(m, m.training) for m in model.modules()]
         s._dicts = [_ModuleDict.capture(m) for m in model.modules()]
         s._rng = RngState.capture()
         if optimizer is not None:
-            # The state_dict references the live state tensors: copy them now,
-            # before a step updates them in place.
-            s._optimizer_state = copy.deepcopy(optimizer.state_dict())
+            # Copied now, before a step updates the live state tensors in place.
+            s._optimizer_state = OptimizerSnapshot.capture(optimizer)
         return s
 
     @property
@@ -205,10 +270,8 @@ class ModelState:
             if self._param_values is not None:
                 for p, value in zip(self.params, self._param_values):
                     p.copy_(value)
-        if self.optimizer is not None and self._optimizer_state is not None:
-            # load_state_dict may keep references to the tensors it is given, so it
-            # gets a fresh copy each time: the snapshot must survive later steps.
-            self.optimizer.load_state_dict(copy.deepcopy(self._optimizer_state))
+        if self._optimizer_state is not None:
+            self._optimizer_state.restore()
 
     def restore(self) -> None:
         """Put everything back as it was at :meth:`capture`."""

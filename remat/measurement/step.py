@@ -30,7 +30,7 @@ from torch import nn
 from remat.core.checks import check_profile_args
 from remat.core.errors import ProfileError
 from remat.core.loop import Loop, loop_or_default
-from remat.measurement.allocator import allocator_peak
+from remat.measurement.allocator import AllocatorTimeline
 from remat.measurement.meter import MemoryMeter
 from remat.measurement.runner import Carry, LossFn, StepRunner, model_device
 from remat.measurement.state import ModelState, clear_grads, training_session
@@ -177,14 +177,16 @@ def measure_step(
 
     The step is one optimizer step of ``loop`` (default :class:`~remat.core.loop.Loop`:
     a plain loop that keeps the output): its micro-batches, the optimizer step and the
-    loop's ``zero_grad``. The warm-up steps come first (they create the optimizer's
-    state, and compile a compiled model); then each instrument runs two steps from
-    nothing carried, so that the second sees what the first carries into it and
-    everything it sees was made inside the region (a dispatch meter counts only such
-    storages, and the CPU profiler reports no frees of blocks allocated before it
-    started): the dispatch-level meter, and with ``allocator`` the allocator's view
-    (:mod:`remat.measurement.allocator`). The time is the median of ``repeats`` un-metered
-    steps. Parameters, buffers, gradients, RNG state, train/eval modes and the
+    loop's ``zero_grad``. The warm-up steps come first (they compile a compiled model);
+    then two steps run from nothing carried under both instruments at once, the
+    dispatch-level meter and, with ``allocator``, the allocator's view
+    (:mod:`remat.measurement.allocator`), so that the second sees what the first carries
+    into it and everything they see was made inside the region (a dispatch meter counts
+    only such storages, and the CPU profiler reports no frees of blocks allocated before
+    it started). Without a warm-up the first of them creates the optimizer's state, as a
+    training run's first step does: what the step holds from its start
+    (``resident_bytes``) is read before it. The time is the median of ``repeats``
+    un-metered steps. Parameters, buffers, gradients, RNG state, train/eval modes and the
     optimizer state are restored afterwards, also when the step raises.
 
     Args:
@@ -222,18 +224,26 @@ def measure_step(
     with _session(model, optimizer, restore) as state:
         runner = StepRunner(call if call is not None else model, sample_batch, loss_fn,
                             optimizer, loop, device.type)
-        _cycles(runner, max(warmup, 1), state)
+        _cycles(runner, warmup, state)
         watch.sync()
         resident = resident_bytes(model, optimizer, batch=sample_batch, device=device)
-        if meter:
-            with MemoryMeter(device_type=device.type) as dispatch:
-                _cycles(runner, 2, state)
+        # Both instruments watch the same two steps: the allocator's view outside, the
+        # dispatch-level meter inside it (the meter allocates no tensor of its own).
+        timeline = AllocatorTimeline(device.type) if allocator else None
+        dispatch = MemoryMeter(device_type=device.type) if meter else None
+        with contextlib.ExitStack() as stack:
+            if timeline is not None:
+                stack.enter_context(timeline)
+                timeline.mark()
+            if dispatch is not None:
+                stack.enter_context(dispatch)
+            _cycles(runner, 2, state)
+            if timeline is not None:
+                timeline.mark()
+        if dispatch is not None:
             peak, cuda_peak = resident + dispatch.peak_bytes, dispatch.cuda_peak_bytes
-        if allocator:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            alloc_peak = resident + allocator_peak(lambda: _cycles(runner, 2, state),
-                                                   device_type=device.type)
+        if timeline is not None:
+            alloc_peak = resident + timeline.rise(0, 1)
             if device.type == "cuda":
                 reserved = torch.cuda.max_memory_reserved()
         if meter:

@@ -22,6 +22,7 @@ from remat.models.load import load_model
 from remat.output import check_writable, write_atomic
 from remat.report import print_table
 from remat.solver.pareto import min_feasible_peak
+from remat.solver.resolve import no_checkpoint_peak_bytes
 
 __all__ = ["run_demo"]
 
@@ -38,7 +39,8 @@ def run_demo(*, model_name: str = "gpt", size: str = "small", out_dir: Path = Pa
     profile = remat.profile(model, batch, loss_fn=loss_fn)
     print(
         f"profiled {profile.n} units (chain={profile.is_chain}) on {profile.device}: "
-        f"step {profile.step_ms:.0f} ms, peak {mib(profile.measured_peak_bytes)} MiB"
+        f"step {profile.step_ms:.0f} ms, no-checkpoint peak "
+        f"{mib(no_checkpoint_peak_bytes(profile))} MiB (predicted, not run)"
     )
     budget = activation_budget(profile, 0.5)
     floor = min_feasible_peak(profile)

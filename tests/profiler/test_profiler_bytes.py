@@ -22,6 +22,7 @@ from torch import nn
 
 from remat.core.loop import Loop
 from remat.core.plan import Plan
+from remat.measurement.step import measure_step
 from remat.profiler import profile
 from remat.solver import simulate
 
@@ -40,6 +41,9 @@ def at_least(value: int, hand_count: int) -> bool:
 KEEP, CKPT, SEL = "keep", "checkpoint", "selective"
 
 
+UNPLANNED = {}  # the fixture's model's unplanned step, measured
+
+
 @pytest.fixture(scope="module")
 def stack_profile():
     torch.manual_seed(0)
@@ -48,10 +52,17 @@ def stack_profile():
     )
     x = torch.randn(B, D)
     target = torch.randn(B, D)
+
+    def loss_fn(out: torch.Tensor, _b: object) -> torch.Tensor:
+        return (out * target).sum()
+
     # (out * target).sum(): mul saves only ``target`` (made outside), sum saves nothing.
     # The hand counts below are of a loop that drops the output once the loss is taken.
-    return profile(model, x, loss_fn=lambda out, _b: (out * target).sum(), repeats=1, warmup=0,
-                   loop=Loop(keep_output=False))
+    loop = Loop(keep_output=False)
+    prof = profile(model, x, loss_fn=loss_fn, repeats=1, warmup=0, loop=loop)
+    # The unplanned step profile() predicts (it never runs it): measured here.
+    UNPLANNED["step"] = measure_step(model, x, loss_fn=loss_fn, loop=loop, repeats=1)
+    return prof
 
 
 def test_linear_on_the_batch(stack_profile) -> None:
@@ -128,10 +139,11 @@ def test_whole_step_matches_a_hand_count(stack_profile) -> None:
     # After the forward: ReLU's output (= Linear 2's input), LN's input (Linear 2's
     # output), LN's mean and rstd, Linear 4's input (LN's output), and the loss.
     assert sim.held_after_forward_bytes == 3 * A + 2 * S + 4
-    assert p.meta["held_after_forward_bytes"] == sim.held_after_forward_bytes
+    measured = UNPLANNED["step"]
+    assert measured.held_after_forward_bytes == sim.held_after_forward_bytes
     # The 4-byte loss and 4-byte seed gradient stay alive through the whole backward.
     assert p.loss_bytes == 8
-    assert p.measured_peak_bytes == sim.peak_bytes
+    assert measured.allocator_peak_bytes == sim.peak_bytes
 
 
 def test_conv_stack() -> None:

@@ -138,7 +138,7 @@ def test_profile_consumes_no_randomness() -> None:
 
 
 def test_failure_inside_a_unit_replay_leaves_no_trace() -> None:
-    """A unit that raises on its third call: capture (1), instrumented step (2), replay (3)."""
+    """A unit that raises on its second call: the saves pass (1), its first replay (2)."""
 
     class Flaky(nn.Module):
         def __init__(self) -> None:
@@ -148,7 +148,7 @@ def test_failure_inside_a_unit_replay_leaves_no_trace() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             self.calls += 1
-            if self.calls == 3:
+            if self.calls == 2:
                 raise RuntimeError("replay failure")
             return self.fc(x)
 

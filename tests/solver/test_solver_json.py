@@ -192,7 +192,7 @@ PROFILE_CASES = [
     ("shape-string", ("profile", "input_shapes"), {"x": "abc"}, ["input_shapes['x']", "list"]),
     ("shape-negative", ("profile", "input_shapes"), {"x": [2, -1]}, ["input_shapes['x']"]),
     ("keep-costs-time", (*KEEP_COST, "extra_ms"), 1.0, ["'keep' option's extra_ms must be 0"]),
-    ("measured-peak", ("profile", "measured_peak_bytes"), -1, ["measured_peak_bytes"]),
+    ("batch-bytes", ("profile", "batch_bytes"), -1, ["batch_bytes"]),
     ("device-number", ("profile", "device"), 0, ["Profile.device", "must be a string"]),
 ]
 

@@ -1,0 +1,91 @@
+"""Stub steps (:mod:`.stub`) run plainly: the outside code's time, and the optimizer's figures.
+
+The unplanned step is never run, so its time is derived: the outside code's forward and
+backward time, measured here on steps whose units are stubs (each step's time less the
+time its stubs took), plus the units' own times from their replays, plus the optimizer
+step's. The optimizer's figures are taken on the same steps: the first creates its state
+(unless it has some already), the second is steady; each ``optimizer.step()`` is metered,
+its peak taken above the bytes alive when it starts, with every parameter's gradient
+alive as in a real step (:func:`~remat.profiler.stub.give_missing_grads`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from remat.measurement.meter import MemoryMeter
+from remat.measurement.runner import StepRunner
+from remat.measurement.state import ModelState, clear_grads
+from remat.measurement.storage import optimizer_state_bytes
+from remat.measurement.timing import Stopwatch, median, parts_settled
+from remat.profiler.stub import give_missing_grads, stubbed
+
+__all__ = ["OutsideTimes", "time_outside"]
+
+
+@dataclass(frozen=True)
+class OutsideTimes:
+    """Medians over the timed stub steps, in milliseconds, and the optimizer's figures.
+
+    ``forward_ms`` / ``backward_ms``: one micro-batch's outside code (the stubs' own time
+    taken out); ``optimizer_ms``: ``optimizer.step()`` and ``zero_grad``;
+    ``optimizer_state_bytes`` / ``optimizer_step_peak_bytes``: see the module docstring.
+    """
+
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    optimizer_state_bytes: int = 0
+    optimizer_step_peak_bytes: int = 0
+
+
+def time_outside(
+    runner: StepRunner,
+    units: list[nn.Module],
+    state: ModelState,
+    watch: Stopwatch,
+    *,
+    warmup: int,
+    repeats: int,
+    tolerance: float = 0.0,
+) -> OutsideTimes:
+    """Run stub steps of the runner's loop (see the module docstring): with an optimizer
+    two metered ones first, then ``warmup`` un-timed and up to ``repeats`` timed ones
+    (fewer once the samples settle within ``tolerance``)."""
+    metered = 2 if runner.optimizer is not None else 0
+    fwd: list[float] = []
+    bwd: list[float] = []
+    opt: list[float] = []
+    total: list[float] = []
+    peaks: list[int] = []
+    with stubbed(units) as clock:
+        for r in range(metered + warmup + repeats):
+            state.rng.restore()
+            state.restore_buffers()
+            clear_grads(state.params)
+            clock.ms = 0.0
+            (_, loss), f_ms = watch.time(runner.forward)
+            stub_ms = clock.ms
+            _, b_ms = watch.time(lambda loss=loss: runner.backward(loss))
+            del loss
+            give_missing_grads(runner.params)
+            o_ms = 0.0
+            if r < metered:
+                with MemoryMeter(device_type=runner.device_type) as meter:
+                    runner.optimizer_step()
+                peaks.append(meter.peak_bytes)
+            elif runner.optimizer is not None:
+                _, o_ms = watch.time(runner.optimizer_step)
+            if r >= metered + warmup:
+                fwd.append(max(f_ms - stub_ms, 0.0))
+                bwd.append(b_ms)
+                opt.append(o_ms)
+                total.append(fwd[-1] + b_ms + o_ms)
+                if parts_settled(total, fwd, bwd, repeats=repeats, tolerance=tolerance):
+                    break
+    clear_grads(state.params)
+    state_bytes = optimizer_state_bytes(runner.optimizer)
+    step_peak = max(peaks[1], peaks[0] - state_bytes) if peaks else 0
+    return OutsideTimes(median(fwd), median(bwd), median(opt), state_bytes, step_peak)

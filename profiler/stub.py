@@ -1,0 +1,164 @@
+"""The outside step: one training step in which every unit is a stub.
+
+What the code outside the units costs (the prefix before the first unit, the suffix
+after the last, the code between units), which boundaries it holds, what the loop
+keeps, the shared tensors and the parameter gradients of the outside code are read off
+a real training step. The units themselves are measured alone, by the replays, so the
+step need not run them for real, and must not: run unplanned, they are the memory the
+user could not fit (a plan that checkpoints every unit still holds every boundary).
+
+So each unit runs as a **stub**: its own forward, unchanged, under ``torch.no_grad()``
+inside an autograd function that saves nothing, whose backward hands each of the unit's
+inputs that needs one a gradient of ones of its shape (the unit's real backward would
+hand a gradient of that size; its values do not matter to memory). Its outputs are the
+unit's real outputs, so the code after it runs as in training. The step then holds,
+at every moment, what the code outside the units holds and one unit's forward, less
+than any plan holds at the same moment; the units' parameters get no gradient from it
+(:func:`give_missing_grads` allocates them where a step's figures need them all, before
+``optimizer.step()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.execute.options import autocast_without_cache
+
+__all__ = ["StubClock", "give_missing_grads", "stubbed"]
+
+Rebuild = Callable[[list[torch.Tensor]], Any]
+
+
+def _flatten(value: Any) -> tuple[list[torch.Tensor], Rebuild]:
+    """The tensors in a unit's output and how to put others in their places: pytree
+    containers (tuples, lists, dicts, Hugging Face outputs) and dataclasses."""
+    leaves, spec = tree_flatten(value)
+    tensors: list[torch.Tensor] = []
+    parts: list[tuple[str, Any]] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(("tensor", len(tensors)))
+            tensors.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            fields = {f.name: getattr(leaf, f.name) for f in dataclasses.fields(leaf) if f.init}
+            inner, rebuild = _flatten(fields)
+            parts.append(("dataclass", (leaf, len(tensors), len(inner), rebuild)))
+            tensors += inner
+        else:
+            parts.append(("value", leaf))
+
+    def rebuild(new: list[torch.Tensor]) -> Any:
+        out = []
+        for kind, part in parts:
+            if kind == "tensor":
+                out.append(new[part])
+            elif kind == "dataclass":
+                leaf, start, count, inner_rebuild = part
+                out.append(dataclasses.replace(leaf, **inner_rebuild(new[start:start + count])))
+            else:
+                out.append(part)
+        return tree_unflatten(out, spec)
+
+    return tensors, rebuild
+
+
+class _Run:
+    """The unit's forward to run inside the stub, and how to rebuild its output."""
+
+    def __init__(self, forward: Callable[[], Any]) -> None:
+        self.forward = forward
+        self.rebuild: Rebuild | None = None
+
+
+class _Stub(torch.autograd.Function):
+    """Runs the unit without saving anything; its backward hands out gradients of ones."""
+
+    @staticmethod
+    def forward(ctx, run: _Run, anchored: bool,  # noqa: ANN001
+                *needing_grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs = needing_grad[:-1] if anchored else needing_grad
+        ctx.specs = [(t.shape, t.dtype, t.device) for t in inputs]
+        ctx.anchored = anchored
+        # Grad is off inside forward(); under autocast, no weight cast is cached either, as
+        # for a checkpointed unit (the cache would hold every unit's casts to the end).
+        with autocast_without_cache():
+            tensors, run.rebuild = _flatten(run.forward())
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *_grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        grads = [torch.ones(shape, dtype=dtype, device=device)
+                 for shape, dtype, device in ctx.specs]
+        return (None, None, *grads, *([None] if ctx.anchored else []))
+
+
+@dataclasses.dataclass
+class StubClock:
+    """Wall time the stubs' forwards took, in milliseconds (the outside step's time
+    less this is the outside code's)."""
+
+    ms: float = 0.0
+
+
+class _StubForward:
+    """A unit's replacement ``forward`` while the outside step runs."""
+
+    def __init__(self, module: nn.Module, original: Callable[..., Any], clock: StubClock):
+        self.original = original
+        self.clock = clock
+        trainable = any(p.requires_grad for p in module.parameters())
+        # Its outputs require grad when its parameters do, whatever its inputs.
+        self.anchor = (torch.zeros((), requires_grad=True) if trainable else None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        seen: set[int] = set()
+        needing = []
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
+                needing.append(t)
+        anchored = self.anchor is not None
+        if anchored:
+            needing.append(self.anchor)
+        run = _Run(lambda: self.original(*args, **kwargs))
+        start = time.perf_counter()
+        tensors = _Stub.apply(run, anchored, *needing)
+        self.clock.ms += (time.perf_counter() - start) * 1e3
+        assert run.rebuild is not None
+        return run.rebuild(list(tensors))
+
+
+@contextlib.contextmanager
+def stubbed(modules: list[nn.Module], clock: StubClock | None = None) -> Iterator[StubClock]:
+    """Inside the block each of ``modules`` runs as a stub (see the module docstring)."""
+    clock = clock if clock is not None else StubClock()
+    saved = [m.__dict__.get("forward") for m in modules]
+    try:
+        for m in modules:
+            m.forward = _StubForward(m, m.forward, clock)
+        yield clock
+    finally:
+        for m, before in zip(modules, saved):
+            if before is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = before
+
+
+def give_missing_grads(params: list[nn.Parameter]) -> None:
+    """A zero gradient for every trainable parameter without one: the units' parameters,
+    which the stubs left out, allocated as the real backward would have them by the end
+    of the step (so ``optimizer.step()`` runs, and creates its state, for all of them)."""
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)

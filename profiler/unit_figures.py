@@ -1,0 +1,232 @@
+"""Each unit's figures under each option, measured at its own call in the capture pass.
+
+:func:`~remat.profiler.capture.trace_units` calls a :class:`UnitMeasurer` at each unit's
+call, before the unit runs, with its live inputs: the unit is replayed alone there
+(:mod:`.replay`), and nothing is kept for later but the figures, so profiling holds one
+unit's replay at a time on top of what the forward itself references.
+
+For each unit: the options are timed first (``checkpoint`` not: its extra time is by
+definition its recomputed forward, keep's forward time), which also warms its kernels
+up (a kernel's first run can allocate what later runs reuse, oneDNN's scratch, which no
+metered run should count); then each option is replayed once under the meter. An
+option that fails on the unit (selective checkpointing of a tensor mutated in place, a
+recomputation torch refuses, or the device running out of memory for it) is dropped for
+that unit, with a warning naming the unit, the option and the reason. ``keep`` failing
+for want of memory means the unit cannot run at all: a :class:`DeviceMemoryError`.
+
+**Twins** (:mod:`.twins`: the same computation on inputs of the same kind, a
+transformer's blocks) are measured once: the first of them is replayed and timed, the
+second replayed under the meter to confirm that its figures are the first's, and the
+rest take the first's figures and times. Where the second's figures differ, every twin
+is measured on its own. So profiling 48 blocks costs about what 2 cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from remat.core.errors import DeviceMemoryError, ProfileError
+from remat.core.option import Option
+from remat.measurement.runner import StepRunner
+from remat.measurement.state import clear_grads
+from remat.measurement.timing import Stopwatch
+from remat.profiler.capture import UnitCall
+from remat.profiler.progress import Progress
+from remat.profiler.replay import (
+    OPTION_ERRORS,
+    OptionFailure,
+    OptionFigures,
+    OptionRunFailed,
+    TimingSamples,
+    UnitTiming,
+    measure_option,
+    time_unit,
+)
+from remat.profiler.twins import signature
+
+__all__ = ["TimingPolicy", "UnitMeasurer"]
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+log = logging.getLogger("remat")
+
+
+@dataclass(frozen=True)
+class TimingPolicy:
+    """How units are timed: un-timed rounds first, at most ``repeats`` timed rounds,
+    early stop within ``tolerance``, twins measured once or not."""
+
+    warmup: int
+    repeats: int
+    tolerance: float
+    pool_twins: bool
+
+
+def _bytes_only(figures: Mapping[str, OptionFigures]) -> dict[str, OptionFigures]:
+    """``figures`` without which parameters they trained (twins own other ones)."""
+    return {o: dataclasses.replace(f, params_trained=frozenset()) for o, f in figures.items()}
+
+
+@dataclass
+class _Twins:
+    """What the first of a group of twins measured, and whether the second agreed."""
+
+    first: str
+    figures: dict[str, OptionFigures]
+    timing: UnitTiming
+    checked: bool = False
+    differ: bool = False
+    members: list[str] = field(default_factory=list)  # the units that took its timing
+
+
+@dataclass
+class UnitMeasurer:
+    """The capture pass's ``on_unit``: every unit's figures and times (module docstring).
+
+    Attributes, filled as the pass runs: ``figures`` and ``timings`` per unit name;
+    ``trained`` per unit name, the parameters its own replay gave a gradient (absent for
+    a unit that took a twin's figures); ``failures``, the options dropped.
+    """
+
+    options: list[str]
+    runner: StepRunner
+    watch: Stopwatch
+    policy: TimingPolicy
+    bar: Progress
+    needs_bytes: Callable[[str], int] = lambda _name: 0
+    recorded: Callable[[str], Hashable] = lambda _name: None
+    figures: dict[str, dict[str, OptionFigures]] = field(default_factory=dict)
+    timings: dict[str, UnitTiming] = field(default_factory=dict)
+    trained: dict[str, frozenset[int]] = field(default_factory=dict)
+    failures: list[tuple[str, OptionFailure]] = field(default_factory=list)
+    _groups: dict[Hashable, _Twins] = field(default_factory=dict)
+
+    def __call__(self, call: UnitCall) -> None:
+        self.bar.step(f"unit {call.name}")
+        # Twins: the same computation on the same kind of input (the signature), and the
+        # same ops and saves where the saves pass recorded them.
+        key = ((signature(call), self.recorded(call.name)) if self.policy.pool_twins
+               else call.name)
+        group = self._groups.get(key)
+        own = True  # measured on this very unit (not taken from a twin)
+        if group is None:
+            timing, figures = self._time_then_meter(call)
+            self._groups[key] = _Twins(call.name, figures, timing)
+        elif group.differ or not group.checked:
+            figures = self._meter(call)
+            if not group.checked:
+                group.checked = True
+                group.differ = _bytes_only(figures) != _bytes_only(group.figures)
+                if group.differ:
+                    log.debug("twins %r and %r differ in bytes: each is measured",
+                              group.first, call.name)
+            timing = (self._time(call, [o for o in figures if o != Option.CHECKPOINT.value])
+                      if group.differ else group.timing)
+        else:
+            figures, timing, own = group.figures, group.timing, False
+        if own:
+            self.trained[call.name] = figures[Option.KEEP.value].params_trained
+        twins = self._groups[key]
+        if timing is twins.timing:
+            twins.members.append(call.name)
+        self.figures[call.name] = figures
+        self.timings[call.name] = timing
+
+    # -- metering --------------------------------------------------------------------
+    def _time_then_meter(self, call: UnitCall) -> tuple[UnitTiming, dict[str, OptionFigures]]:
+        """A new unit: timed first (the timed runs warm its kernels up for the meter),
+        then metered; where an option fails in the timed runs, metered first to find
+        which, then the others timed."""
+        options = [o for o in self.options if o != Option.CHECKPOINT.value]
+        try:
+            timing = self._time(call, options)
+        except OptionRunFailed as failed:
+            # keep runs the unit's own forward: what it raises is the model's, as it is.
+            if failed.option == Option.KEEP.value or not isinstance(failed.error,
+                                                                     OPTION_ERRORS):
+                raise failed.error from None
+            figures = self._meter(call)
+            return self._time(call, [o for o in options if o in figures]), figures
+        return timing, self._meter(call)
+
+    def _meter(self, call: UnitCall) -> dict[str, OptionFigures]:
+        figures: dict[str, OptionFigures] = {}
+        for option in self.options:
+            if option == Option.KEEP.value:
+                figures[option] = self._keep_or_fail(
+                    call, lambda o=option: measure_option(call, o, self.runner))
+                continue
+            try:
+                figures[option] = measure_option(call, option, self.runner)
+            except OPTION_ERRORS as err:  # an out-of-memory error is a RuntimeError too
+                clear_grads(self.runner.params)
+                failure = OptionFailure.of(option, err)
+                log.warning("unit %r: option %r dropped, it cannot run on this unit: %s",
+                            call.name, option, failure.reason)
+                self.failures.append((call.name, failure))
+        return figures
+
+    def _keep_or_fail(self, call: UnitCall, replay: Callable[[], object]) -> object:
+        """``replay()`` of the unit under keep; the device running out of memory for it
+        is a :class:`DeviceMemoryError`: no option can run a unit that keep cannot."""
+        try:
+            return replay()
+        except torch.OutOfMemoryError as err:
+            clear_grads(self.runner.params)
+            needs = self.needs_bytes(call.name)
+            raise DeviceMemoryError(
+                f"unit {call.name!r} does not fit on the device even alone: its replay ran "
+                f"out of memory ({' '.join(str(err).split())[:300]}). It saves "
+                f"{needs:,} bytes for backward, and its recomputation under any option needs "
+                "them all at once; use smaller units (units=[...] naming its children, or "
+                "granularity='children'), a smaller batch, or a device with more memory"
+            ) from None
+
+    # -- timing ----------------------------------------------------------------------
+    def _time(self, call: UnitCall, options: list[str]) -> UnitTiming:
+        """Timed replays of ``options`` (without checkpoint: its extra time is its
+        recomputed forward, which keep's timing measures)."""
+        policy = self.policy
+        samples = TimingSamples(tuple(options))
+        try:
+            time_unit(call, options, self.runner, self.watch, warmup=policy.warmup,
+                      repeats=policy.repeats, tolerance=policy.tolerance, samples=samples)
+        except OptionRunFailed as failed:
+            error = failed.error
+            if failed.option == Option.KEEP.value and isinstance(error, torch.OutOfMemoryError):
+                self._keep_or_fail(call, lambda: _raise(error))
+            raise
+        return samples.timing()
+
+    def log_twins(self) -> None:
+        """One debug line: how many groups the units were timed as."""
+        groups = [g.members for g in self._groups.values()]
+        timed = sum(1 for g in groups if g) + sum(
+            1 for name, t in self.timings.items()
+            if not any(name in g for g in groups))
+        pooled = [g for g in groups if len(g) > 1]
+        if pooled:
+            log.debug("timed %d units as %d groups of twins: %s", len(self.timings), timed,
+                      pooled)
+
+    def check_some_option_runs(self) -> None:
+        """Raise when options besides keep were asked for and none ran on any unit."""
+        if len(self.options) < 2 or any(len(f) > 1 for f in self.figures.values()):
+            return
+        reasons: dict[str, str] = {}
+        for name, failure in self.failures:
+            reasons.setdefault(failure.option, f"{failure.reason} (unit {name!r})")
+        raise ProfileError(
+            "every option but keep failed on every unit, so no plan could save memory: "
+            + "; ".join(f"{o}: {r}" for o, r in reasons.items())
+            + ". Check that the units' forwards can be recomputed (no in-place change of "
+            "their inputs, the same tensors on every call), or pass units= naming other "
+            "modules"
+        )
