@@ -120,9 +120,11 @@ def time_steps(
         state.rng.restore()
         state.restore_buffers()
         clear_grads(state.params)
-        (_, loss), f_ms = watch.time(runner.forward)
+        (output, loss), f_ms = watch.time(runner.forward)
+        if not runner.loop.keep_output:
+            del output  # the loop drops it once the loss is taken; keeping it costs memory
         _, b_ms = watch.time(lambda loss=loss: runner.backward(loss))
-        del loss
+        output = loss = None
         _, o_ms = watch.time(runner.optimizer_step) if runner.optimizer is not None else (None, 0.)
         if r >= warmup:
             total.append(f_ms + b_ms + o_ms)
