@@ -1,14 +1,20 @@
-"""What ``remat.profile()`` costs, in plain training steps of the same model.
+"""What planning costs, in time and in memory: ``remat.profile()`` and ``remat.solve()``
+measured against the model's own unplanned training step.
 
-For each reference model (the "small" presets): the median time of a plain
-training step (forward + backward, no optimizer, no meter, no hooks, after one
-warm-up step), the wall time of ``remat.profile()`` with its defaults, and their
-ratio. The first ``profile()`` call of each model is discarded (it pays one-off
-costs: lazy imports, kernel selection, allocator growth); the figure is the
-median of the ``--runs`` calls after it, each preceded by its own plain steps so
-that slow drifts of the machine hit both. The phase column is the time each of
-profile()'s phases took in the last timed call (``Progress.durations()``, logged
-at debug level), per-unit phases summed, in steps.
+For each model (the reference models' "small" presets, a Hugging Face Qwen2 causal LM
+in a Trainer-style loop, and a 24-layer GPT), at a budget near the bottom of its range
+(the smallest feasible peak plus 10% of the range up to the no-checkpoint peak):
+
+* **time**: the median plain training step (forward + backward, no optimizer, after a
+  warm-up step), the median wall time of ``remat.profile()`` and of ``remat.solve()``
+  end to end (profile, solve, verify) with their defaults, each after one discarded call
+  (one-off costs: lazy imports, kernel selection) and with the profile cache emptied, in
+  plain steps;
+* **memory**: the peak of live tensor bytes while ``remat.solve()`` ran (a
+  :class:`~remat.measurement.simulated_device.SimulatedDevice` without a capacity around
+  it, the model and batch counted as resident), as a multiple of the budget and of the
+  unplanned step's peak; and whether ``solve()`` plans the model on a simulated device
+  whose capacity is the budget (the unplanned step's peak over that capacity given).
 
 Prints a markdown table and writes it to benchmarks/results/profile_cost.md.
 
@@ -19,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,74 +37,128 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see peers.p
 
 import torch  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
+from torch import nn  # noqa: E402
 
 import remat  # noqa: E402
 from remat import models  # noqa: E402
+from remat.core.bytesize import mib  # noqa: E402
 from remat.measurement.runner import model_device  # noqa: E402
+from remat.measurement.simulated_device import SimulatedDevice  # noqa: E402
 from remat.measurement.state import clear_grads  # noqa: E402
+from remat.measurement.storage import resident_bytes  # noqa: E402
 from remat.measurement.timing import Stopwatch  # noqa: E402
+from remat.profile_cache import forget_profiles  # noqa: E402
+from remat.solver import min_peak_bytes, no_checkpoint_peak_bytes  # noqa: E402
 
 
-class _PhaseLog(logging.Handler):
-    """Keeps the phase durations that profile() logs at debug level."""
+@dataclass
+class Case:
+    """A model to plan: the module, one batch, its loss and its loop."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.phases: dict[str, float] = {}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        # A single mapping argument becomes record.args itself (logging's rule).
-        if str(record.msg).startswith("profile phases") and isinstance(record.args, dict):
-            self.phases = dict(record.args)
+    name: str
+    model: nn.Module
+    batch: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    loop: remat.Loop
+    step: Callable[[], None]
 
 
-def plain_step_ms(ref: models.ReferenceModel, warmup: int, repeats: int) -> float:
-    """Median wall time of a plain training step (grads cleared first, after ``warmup``
-    untimed ones), in milliseconds."""
+def _reference(name: str, **overrides: Any) -> Case:
+    ref = models.build(name, size="small", seed=0, **overrides)
+    return Case(name, ref.model, ref.batch, ref.loss_fn, remat.Loop(), ref.step)
+
+
+def _qwen2() -> Case:
+    """The issue's model: a Qwen2 config (8 layers, hidden 256, vocabulary 2000, batch
+    4 x 512 tokens, random weights) in a Trainer-style loop (output dropped)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=2000, hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, use_cache=False)
+    model = Qwen2ForCausalLM(config)
+    ids = torch.randint(0, 2000, (4, 512))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def step() -> None:
+        model(**batch).loss.backward()
+
+    return Case("hf-qwen2 (8 layers, 4x512)", model, batch, None,
+                remat.Loop(keep_output=False), step)
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "mlp": lambda: _reference("mlp"),
+    "cnn": lambda: _reference("cnn"),
+    "gpt": lambda: _reference("gpt"),
+    "hf-gpt2": lambda: _reference("hf-gpt2"),
+    "hf-qwen2": _qwen2,
+    "gpt-24": lambda: _reference("gpt", depth=24),
+}
+
+
+def plain_step_ms(case: Case, warmup: int, repeats: int) -> float:
+    """Median wall time of a plain training step, in milliseconds."""
     times = []
-    params = list(ref.model.parameters())
-    watch = Stopwatch(model_device(ref.model))
+    params = list(case.model.parameters())
+    watch = Stopwatch(model_device(case.model))
     for r in range(warmup + repeats):
         clear_grads(params)
-        _, ms = watch.time(ref.step)
+        _, ms = watch.time(case.step)
         if r >= warmup:
             times.append(ms)
     clear_grads(params)
     return statistics.median(times)
 
 
-def phase_summary(phases: dict[str, float], step_s: float) -> str:
-    """``baseline step 1.2 · step time 3.0 · units 2.5 · ...`` (in steps): per-unit
-    phases (``unit NAME``) summed as ``units``."""
-    groups: dict[str, float] = {}
-    for label, seconds in phases.items():
-        key = "units" if label.startswith("unit ") else label
-        groups[key] = groups.get(key, 0.0) + seconds
-    return " · ".join(f"{k} {v / step_s:.1f}" for k, v in groups.items())
+def _resident(case: Case) -> int:
+    return resident_bytes(case.model, batch=case.batch, device=model_device(case.model))
 
 
-def row_for(name: str, runs: int, repeats: int, phase_log: _PhaseLog) -> dict[str, str]:
-    """Plain steps and profile() calls of ``name``, alternating: one row of cells."""
-    ref = models.build(name, size="small", seed=0)
-    remat.profile(ref.model, ref.batch, loss_fn=ref.loss_fn, progress=False)  # discarded
-    # Plain steps and profile() calls alternate, so slow drifts of the machine hit both.
-    steps, walls, profile = [], [], None
+def row_for(key: str, runs: int, repeats: int) -> dict[str, str]:
+    case = CASES[key]()
+    kw = {"loss_fn": case.loss_fn, "loop": case.loop}
+    unplanned = remat.measure(case.model, case.batch, repeats=1, **kw).worst_peak_bytes
+    profile = remat.profile(case.model, case.batch, progress=False, **kw)  # discarded
+    lo, hi = min_peak_bytes(profile), no_checkpoint_peak_bytes(profile)
+    budget = int(lo + 0.1 * (hi - lo))
+    steps, profiles, solves = [], [], []
     for _ in range(runs):
-        steps.append(plain_step_ms(ref, warmup=1, repeats=repeats))
-        t0 = time.perf_counter()
-        profile = remat.profile(ref.model, ref.batch, loss_fn=ref.loss_fn, progress=False)
-        walls.append(time.perf_counter() - t0)
-    step_ms = statistics.median(steps)
-    wall_s = statistics.median(walls)
-    assert profile is not None
+        steps.append(plain_step_ms(case, warmup=1, repeats=repeats))
+        forget_profiles()
+        start = time.perf_counter()
+        remat.profile(case.model, case.batch, progress=False, **kw)
+        profiles.append(time.perf_counter() - start)
+        forget_profiles()
+        start = time.perf_counter()
+        remat.solve(case.model, case.batch, budget, **kw)
+        solves.append(time.perf_counter() - start)
+    step_s = statistics.median(steps) / 1e3
+    forget_profiles()
+    with SimulatedDevice(None, resident_bytes=_resident(case)) as meter:
+        plan = remat.solve(case.model, case.batch, budget, **kw)
+    forget_profiles()
+    try:
+        with SimulatedDevice(budget, resident_bytes=_resident(case)):
+            remat.solve(case.model, case.batch, budget, **kw)
+        on_device = f"yes ({unplanned / budget:.2f}x)"
+    except (torch.OutOfMemoryError, remat.RematError) as err:
+        on_device = f"no: {type(err).__name__}"
+    assert plan.verification is not None
     row = {
-        "model": name,
+        "model": case.name,
         "units": str(profile.n),
-        "step ms": f"{step_ms:.0f}",
-        "profile step_ms": f"{profile.step_ms:.0f}",
-        "profile s": f"{wall_s:.2f}",
-        "profile / step": f"{wall_s * 1e3 / step_ms:.1f}",
-        "phases (steps)": phase_summary(phase_log.phases, step_ms / 1e3),
+        "step ms": f"{step_s * 1e3:.0f}",
+        "profile / step": f"{statistics.median(profiles) / step_s:.1f}",
+        "solve / step": f"{statistics.median(solves) / step_s:.1f}",
+        "budget MiB": mib(budget),
+        "unplanned MiB": mib(unplanned),
+        "held in solve MiB": mib(meter.peak_bytes),
+        "held / budget": f"{meter.peak_bytes / budget:.3f}",
+        "held / unplanned": f"{meter.peak_bytes / unplanned:.2f}",
+        "plan measured / budget": f"{plan.verification.measured_peak_bytes / budget:.3f}",
+        "planned on a device of the budget": on_device,
     }
     print(" | ".join(row.values()), flush=True)
     return row
@@ -105,37 +166,32 @@ def row_for(name: str, runs: int, repeats: int, phase_log: _PhaseLog) -> dict[st
 
 def main(argv: Any = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "gpt", "hf-gpt2"])
-    parser.add_argument("--runs", type=int, default=3, help="timed profile() calls per model")
-    parser.add_argument("--repeats", type=int, default=5, help="timed plain steps per model")
+    parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--runs", type=int, default=3, help="timed calls per model")
+    parser.add_argument("--repeats", type=int, default=5, help="timed plain steps per run")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "profile_cost.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    phase_log = _PhaseLog()
-    logger = logging.getLogger("remat")
-    level = logger.level
-    logger.addHandler(phase_log)
-    logger.setLevel(logging.DEBUG)
     start = time.perf_counter()
-    try:
-        rows = [row_for(name, args.runs, args.repeats, phase_log) for name in args.models]
-    finally:
-        logger.removeHandler(phase_log)
-        logger.setLevel(level)
+    rows = [row_for(key, args.runs, args.repeats) for key in args.models]
     header = (
-        "# Profile cost\n\n"
+        "# What planning costs\n\n"
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; machine: "
         f"{machine_line(args.threads)}\n"
         f"- command: `.venv/bin/python benchmarks/profile_cost.py --runs {args.runs} "
         f"--repeats {args.repeats}` ({time.perf_counter() - start:.0f} s)\n"
-        "- step ms: median of plain training steps (forward + backward, no optimizer) after one "
-        "warm-up step; profile s: median wall time of `remat.profile()` with its defaults "
-        "(warmup=1, repeats=3), after one discarded call (one-off costs not counted); "
-        "plain steps and profile() calls alternate, `--runs` of each; "
-        "profile step_ms: the step time the last profile reports\n"
-        "- phases: time of each of profile()'s phases in the last call, in steps "
-        "(`units`: all per-unit phases: metered and timed replays)\n"
+        "- budget: the smallest feasible peak plus 10% of the range up to the no-checkpoint "
+        "peak; unplanned: the peak of the model's own step (both instruments, measured "
+        "apart); the reference models in a plain loop, Qwen2 in a Trainer-style loop\n"
+        "- step ms: median plain training step (forward + backward) after a warm-up step; "
+        "profile / step and solve / step: median wall time of `remat.profile()` and of "
+        "`remat.solve()` end to end (profile, solve, verify), defaults, after one discarded "
+        "call, the profile cache emptied before each, in plain steps\n"
+        "- held in solve: the peak of live tensor bytes while `remat.solve()` ran, model and "
+        "batch included (a `SimulatedDevice` without a capacity); planned on a device of the "
+        "budget: `remat.solve()` on a `SimulatedDevice` whose capacity is the budget (the "
+        "unplanned step's peak over that capacity in brackets)\n"
     )
     table = markdown_table(list(rows[0]), [list(r.values()) for r in rows])
     write_result(args.out, "\n".join([header, *table]) + "\n")

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from remat.core.budget import of_activations
+from remat.core.bytesize import format_bytes
 from remat.core.checks import (
     check_budget_arg,
     check_count,
@@ -220,7 +221,7 @@ def solve(
                               compile_options=compile_options, **solver_params)
     from remat.solver.solve import solve_profile
 
-    plan = solve_profile(prof, budget, method=method, **solver_params)
+    plan = solve_profile(prof, _within_device(prof, budget), method=method, **solver_params)
     if verify and plan.budget_bytes is not None and not isinstance(model_or_profile, Profile):
         from remat.verify import measure_plan, verified
 
@@ -241,6 +242,26 @@ def solve(
         plan.record.predicted_time_ms or 0.0,
     )
     return plan
+
+
+def _within_device(profile: Profile, budget: Any) -> Any:
+    """``budget``, or the device's capacity where that is less (CUDA: a plan for more
+    than the device can give would run out of memory, whatever budget it was asked for)."""
+    if budget is None or not profile.device.startswith("cuda"):
+        return budget
+    import torch
+
+    from remat.measurement.device import device_capacity_bytes
+    from remat.solver.resolve import resolve_budget
+
+    capacity = device_capacity_bytes(torch.device(profile.device))
+    asked = resolve_budget(budget, profile)
+    if capacity is None or asked <= capacity:
+        return budget
+    log.warning("remat: memory_budget=%s is more than %s can give (%s free and held by this "
+                "process): planning for that instead", format_bytes(asked), profile.device,
+                format_bytes(capacity))
+    return capacity
 
 
 def pareto(

@@ -189,3 +189,26 @@ def test_a_second_solve_reuses_the_profile(monkeypatch: pytest.MonkeyPatch) -> N
     remat.solve(ref.model, ref.batch[: len(ref.batch) // 2], "100%",
                 loss_fn=lambda out, _b: out.square().mean(), loop=LOOP, verify=False)
     assert len(calls) == 4  # and another batch shape
+
+
+def test_a_budget_above_what_the_cuda_device_can_give_is_capped(monkeypatch) -> None:
+    # CPU-only check of the arithmetic: a profile measured on CUDA, a device with 3 MB free.
+    from remat import api
+    from remat.measurement import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _i=0: (3_000_000, 8_000_000))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _i=0: 1_000_000)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _i=0: 1_500_000)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda _i=0: 1.0)
+    assert device.device_capacity_bytes(torch.device("cuda")) == 4_500_000
+    assert device.device_capacity_bytes(torch.device("cpu")) is None
+    prof = remat.Profile.from_json(
+        remat.profile(models.build("mlp", size="tiny").model, torch.randn(16, 64),
+                      loss_fn=lambda o, _b: o.sum(), repeats=1).to_json())
+    on_cuda = type(prof)(**{**{f: getattr(prof, f) for f in prof.__dataclass_fields__},
+                            "device": "cuda:0"})
+    assert api._within_device(on_cuda, 10**9) == 4_500_000
+    assert api._within_device(on_cuda, 10**6) == 10**6
+    assert api._within_device(prof, 10**9) == 10**9  # the CPU gives no such ceiling

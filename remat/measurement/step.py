@@ -252,9 +252,10 @@ def measure_step(
             with MemoryMeter(device_type=device.type) as dispatch:
                 output, loss = runner.forward()
                 if not loop.keep_output:
-                    del output
+                    output = None
                 held = dispatch.live_bytes
-            del loss
+            # Both go now: the forward's graph (what it saved) lives as long as either.
+            output = loss = None
             clear_grads(runner.params)
         worst = max(peak or 0, alloc_peak or 0)
         if repeats and state is not None and (time_within is None or worst <= time_within):
