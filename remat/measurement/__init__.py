@@ -4,7 +4,10 @@ the one measured step.
 The dispatch-level meter (:mod:`.meter`) and the allocator's view (:mod:`.allocator`),
 timing (:mod:`.timing`), the snapshot that leaves a model as it was (:mod:`.state`),
 the runner of a :class:`~remat.core.loop.Loop` (:mod:`.runner`), bytes of storages
-(:mod:`.storage`), and :func:`~remat.measurement.step.measure_step`, which the profiler,
-verification, the compiled search, FSDP and the trainer callbacks (:mod:`.step_meter`)
-all use.
+(:mod:`.storage`), and :func:`~remat.measurement.step.measure_step`, which
+``remat.measure``,
+verification, the compiled search and FSDP use (the trainer callbacks measure the
+trainer's own step with the same instruments: :mod:`.step_meter`). A simulated device
+(:mod:`.simulated_device`) makes a CPU run run out of memory as a device of a given size
+would; copies remat keeps off the device are marked by :mod:`.host`.
 """
