@@ -255,7 +255,7 @@ def measure_step(
                     output = None
                 held = dispatch.live_bytes
             # Both go now: the forward's graph (what it saved) lives as long as either.
-            output = loss = None
+            del output, loss
             clear_grads(runner.params)
         worst = max(peak or 0, alloc_peak or 0)
         if repeats and state is not None and (time_within is None or worst <= time_within):
