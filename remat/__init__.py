@@ -6,6 +6,7 @@ from remat.core.budget import of_activations, of_peak
 from remat.core.errors import (
     ArgumentError,
     BudgetError,
+    DeviceMemoryError,
     InfeasibleBudgetError,
     PlanMismatchError,
     RematError,
@@ -30,9 +31,9 @@ _LAZY = {
     "compile_planned": ("remat.compiled", "compile_planned"),
     "estimate": ("remat.preflight", "estimate"),
 }
-__all__ = ["ArgumentError", "BudgetError", "InfeasibleBudgetError", "Loop", "Option", "Plan",
-           "PlanMismatchError", "Profile", "RematError", "RematWarning", "of_activations",
-           "of_peak", "simulate",
+__all__ = ["ArgumentError", "BudgetError", "DeviceMemoryError", "InfeasibleBudgetError",
+           "Loop", "Option", "Plan", "PlanMismatchError", "Profile", "RematError",
+           "RematWarning", "of_activations", "of_peak", "simulate",
            *_LAZY]
 
 
