@@ -65,6 +65,7 @@ class Status:
 
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
+Counts = tuple[tuple[str, int], ...]
 
 
 def _set(obj: object, name: str, value: object) -> None:
@@ -109,6 +110,10 @@ class PlanTarget:
             as ``(argument name, shape)`` pairs (``"arg0"``... for positional
             arguments); JSON writes them as an object. The budget holds for inputs up
             to these shapes; the runtime watches for larger ones.
+        unit_type_counts: how many modules of each unit class the profiled model had
+            (``(class name, count)`` pairs; JSON writes them as an object). A model
+            with more of them is deeper than the one profiled: its extra blocks would
+            run unplanned, outside the plan's figures, so ``apply_plan`` refuses it.
 
     ``None`` in any field: not known, not checked (a manual plan).
     """
@@ -118,6 +123,7 @@ class PlanTarget:
     device: str | None = None
     loop: Loop | None = None
     input_shapes: Shapes | None = None
+    unit_type_counts: Counts | None = None
 
     def __post_init__(self) -> None:
         for name in ("unit_types", "unit_signatures"):
@@ -131,12 +137,16 @@ class PlanTarget:
                             f"{type(self.loop).__name__}")
         if self.input_shapes is not None:
             _set(self, "input_shapes", _checked_shapes(self.input_shapes))
+        if self.unit_type_counts is not None:
+            _set(self, "unit_type_counts", _checked_counts(self.unit_type_counts))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["loop"] = None if self.loop is None else self.loop.to_dict()
         if self.input_shapes is not None:
             d["input_shapes"] = {name: list(shape) for name, shape in self.input_shapes}
+        if self.unit_type_counts is not None:
+            d["unit_type_counts"] = dict(self.unit_type_counts)
         return d
 
     @classmethod
@@ -514,4 +524,20 @@ def _checked_shapes(shapes: object) -> Shapes:
         dims = checked_list(items[1], f"{where}[{name!r}]", PlanError)
         out.append((name, tuple(checked_bytes(d, f"{where}[{name!r}]", PlanError, hi=None,
                                               unit="elements") for d in dims)))
+    return tuple(out)
+
+
+def _checked_counts(counts: object) -> Counts:
+    """``{class name: count}`` or ``((name, count), ...)`` as the latter, checked."""
+    where = "Plan.target.unit_type_counts"
+    pairs = counts.items() if isinstance(counts, Mapping) else checked_list(counts, where,
+                                                                            PlanError)
+    out = []
+    for pair in pairs:
+        items = checked_list(pair, where, PlanError)
+        if len(items) != 2:
+            raise PlanError(f"{where} must map unit class names to counts, got {pair!r}")
+        name = checked_str(items[0], f"a {where} name", PlanError)
+        out.append((name, checked_bytes(items[1], f"{where}[{name!r}]", PlanError, hi=None,
+                                        unit="modules")))
     return tuple(out)

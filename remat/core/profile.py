@@ -46,6 +46,7 @@ __all__ = [
     "MAX_BYTES",
     "MAX_MS",
     "SCHEMA_VERSION",
+    "UNIT_TYPE_COUNTS",
     "OptionCost",
     "OutsideCost",
     "Profile",
@@ -54,6 +55,11 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 2  # 2: the loop, shared tensors, kept output, autocast caches
+
+# ``Profile.meta`` key: ``{unit class name: how many modules of that class the model had}``,
+# recorded by ``remat.profile()``; solved plans carry it (``PlanTarget.unit_type_counts``)
+# so that a deeper model than the one profiled is refused.
+UNIT_TYPE_COUNTS = "unit_type_counts"
 
 
 
