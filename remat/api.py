@@ -18,6 +18,7 @@ and costs no profiling time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from remat.core.checks import check_budget_arg, check_count, check_inputs, check
 from remat.core.errors import RematError
 from remat.core.loop import Loop
 from remat.core.plan import Plan
-from remat.core.profile import Profile
+from remat.core.profile import UNIT_TYPE_COUNTS, Profile
 from remat.solver.resolve import resolve_budget
 from remat.solver.solve import check_method
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from torch import nn
 
-__all__ = ["activation_budget", "apply_plan", "pareto", "profile", "solve"]
+__all__ = ["activation_budget", "apply_plan", "pareto", "profile", "remove_plan", "solve"]
 
 log = logging.getLogger("remat")
 
@@ -61,10 +62,20 @@ def profile(
 
     blocks, children = profile_levels(model, sample_batch, granularity=granularity, **settings)
     if children is None:
-        return blocks
+        return _with_unit_type_counts(blocks, model)
     from remat.granularity import pick_level
 
-    return pick_level(blocks, children)
+    return _with_unit_type_counts(pick_level(blocks, children), model)
+
+
+def _with_unit_type_counts(prof: Profile, model: nn.Module) -> Profile:
+    """``prof`` with how many modules of each unit class the model has, in its ``meta``:
+    a plan solved from it refuses a deeper model (``PlanTarget.unit_type_counts``)."""
+    from remat.execute.structure import unit_type_counts
+
+    counts = unit_type_counts(model, (u.type_name for u in prof.units),
+                              [u.name for u in prof.units])
+    return dataclasses.replace(prof, meta={**prof.meta, UNIT_TYPE_COUNTS: counts})
 
 
 def _as_profile(
@@ -277,17 +288,41 @@ def activation_budget(profile: Profile, fraction: float) -> int:
     return resolve_budget(of_activations(fraction), profile)
 
 
-def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
+def apply_plan(model: nn.Module, plan: Plan, *, strict_shapes: bool = False,
+               strict: bool = False) -> nn.Module:
     """:func:`remat.runtime.apply_plan` after checking its arguments: change ``model`` in
     place so that training runs under ``plan``; returns ``model``.
+
+    Args:
+        model, plan: the model and the plan made for it.
+        strict_shapes: a training forward on inputs larger than the plan was profiled
+            with raises ``PlanMismatchError`` instead of warning.
+        strict: every mismatch between the plan and the training that runs (gradients
+            alive at a forward's start, the output kept through backward, another
+            autocast or dtype, an added module, larger inputs) raises
+            ``PlanMismatchError`` instead of warning once.
 
     Raises:
         ArgumentError: ``model`` is not a module, or ``plan`` is not a Plan (a path to a
             plan file: load it with ``remat.Plan.from_json(path)``).
-        PlanMismatchError: the plan does not fit the model.
+        PlanMismatchError: the plan does not fit the model (another width, dtype or
+            depth, a device it was not made for).
     """
     check_model(model, "apply_plan()")
     check_plan(plan, "apply_plan()")
     from remat.runtime import apply_plan as apply
 
-    return apply(model, plan)
+    return apply(model, plan, strict_shapes=strict_shapes, strict=strict)
+
+
+def remove_plan(model: nn.Module) -> nn.Module:
+    """:func:`remat.runtime.remove_plan` after checking its argument: restore the forwards
+    ``apply_plan`` replaced; returns ``model`` (a no-op on a model without a plan).
+
+    Raises:
+        ArgumentError: ``model`` is not a module.
+    """
+    check_model(model, "remove_plan()")
+    from remat.runtime import remove_plan as remove
+
+    return remove(model)

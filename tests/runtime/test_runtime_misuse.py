@@ -116,7 +116,9 @@ def solved() -> Plan:
 
 
 def step(model: nn.Module, x: Tensor, *, seed: int = 0) -> Tensor:
+    """One step of a plain loop (``zero_grad()`` first, as the plans' ``Loop()`` says)."""
     torch.manual_seed(seed)
+    model.zero_grad()
     loss = loss_fn(model(x))
     loss.backward()
     return loss.detach()
