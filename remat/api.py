@@ -57,7 +57,20 @@ def profile(
     one holds half of their memory, profiles both levels and returns the one whose
     optimal plans are faster over a range of budgets (:mod:`remat.granularity`; it
     costs a second profile).
+
+    Inside a ``torch.autocast`` and without ``loop=``, the profile is for
+    ``Loop(autocast=<its dtype>)`` (a ``loop=`` that says otherwise is refused):
+    :mod:`remat.ambient`.
     """
+    from remat.ambient import planning
+
+    with planning(model, settings.pop("loop", None), "profile()") as loop:
+        return _profile(model, sample_batch, granularity=granularity, loop=loop, **settings)
+
+
+def _profile(model: nn.Module, sample_batch: Any, *, granularity: str,
+             **settings: Any) -> Profile:
+    """:func:`profile`'s work, outside any ambient autocast."""
     from remat.profiler import profile_levels
 
     blocks, children = profile_levels(model, sample_batch, granularity=granularity, **settings)
@@ -110,6 +123,7 @@ def solve(
     granularity: str = "blocks",
     verify: bool = True,
     verify_rounds: int = 3,
+    verify_steps: int = 1,
     compiled: bool = False,
     compile_options: Mapping[str, Any] | None = None,
     **solver_params: Any,
@@ -143,13 +157,19 @@ def solve(
             that keeps the output. ``remat.Loop.hf_trainer(args)`` is Hugging Face's.
         granularity: ``"blocks"`` (default), ``"children"`` or ``"auto"`` (also profile
             the blocks' children when the blocks are few or one dominates, and keep
-            the level with the better frontier): see :func:`remat.profile`.
+            the level with the better frontier): see :func:`remat.profile`. Called
+            inside a ``torch.autocast`` without ``loop=``, the loop is
+            ``Loop(autocast=<its dtype>)`` (logged); a ``loop=`` with another autocast
+            is refused (:mod:`remat.ambient`).
         verify: with a model and a budget, apply the plan, measure one real step of
             the loop (the higher of the dispatch-level meter and the allocator's
             view), and when it is over the budget solve again for a budget lowered by
             the excess (:mod:`remat.verify`). The plan records the measured peak.
             ``False`` skips it (the plan then carries only its prediction).
         verify_rounds: the most plans verification measures.
+        verify_steps: how many consecutive optimizer steps verification measures (the
+            peak over all of them); more catches memory that changes after the first
+            steps (a branch that turns on at step k), at one measured step's time each.
         compiled: the model will train under ``torch.compile``: choose the fastest
             plan of the optimal frontier, and inductor ``activation_memory_budget``,
             whose *compiled* step, measured with the allocator, fits the budget
@@ -184,43 +204,34 @@ def solve(
     if verify and memory_budget is not None and not isinstance(model_or_profile, Profile):
         check_count("verify_rounds", verify_rounds, lo=1, meaning="the most plans verification "
                     "measures; verify=False skips it", owner="solve()")
+        check_count("verify_steps", verify_steps, lo=1, meaning="the consecutive optimizer "
+                    "steps verification measures", owner="solve()")
     if compiled and (isinstance(model_or_profile, Profile) or memory_budget is None):
         raise RematError(
             "compiled=True measures candidate plans compiled, so it needs the model, a sample "
             "batch and a budget: remat.solve(model, sample_batch, memory_budget=..., "
             "compiled=True)"
         )
-    prof = _as_profile(
-        model_or_profile,
-        sample_batch,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        units=units,
-        options=options,
-        loop=loop,
-        granularity=granularity,
-    )
-    if compiled:
-        from remat.compiled import solve_compiled
+    if isinstance(model_or_profile, Profile):
+        plan = _solve(model_or_profile, sample_batch, budget, method=method,
+                      verify=False, solver_params=solver_params)
+    else:
+        from remat.ambient import planning
 
-        return solve_compiled(model_or_profile, sample_batch, prof, budget, method=method,
-                              loss_fn=loss_fn, optimizer=optimizer,
-                              compile_options=compile_options, **solver_params)
-    from remat.solver.solve import solve_profile
+        with planning(model_or_profile, loop, "solve()") as loop:
+            prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,
+                               optimizer=optimizer, units=units, options=options, loop=loop,
+                               granularity=granularity)
+            if compiled:
+                from remat.compiled import solve_compiled
 
-    plan = solve_profile(prof, budget, method=method, **solver_params)
-    if verify and plan.budget_bytes is not None and not isinstance(model_or_profile, Profile):
-        from remat.verify import measure_plan, verified
-
-        model = model_or_profile
-        plan = verified(
-            plan, plan.budget_bytes,
-            lambda target: solve_profile(prof, target, method=method, **solver_params)
-            .with_(budget_bytes=plan.budget_bytes),
-            lambda candidate: measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
-                                           optimizer=optimizer, loop=prof.loop),
-            rounds=verify_rounds,
-        )
+                return solve_compiled(model_or_profile, sample_batch, prof, budget,
+                                      method=method, loss_fn=loss_fn, optimizer=optimizer,
+                                      compile_options=compile_options, **solver_params)
+            plan = _solve(prof, sample_batch, budget, method=method, verify=verify,
+                          solver_params=solver_params, model=model_or_profile,
+                          loss_fn=loss_fn, optimizer=optimizer, rounds=verify_rounds,
+                          steps=verify_steps)
     log.info(
         "remat: %s plan (%s), predicted peak %d B, step %.1f ms",
         plan.record.algorithm,
@@ -229,6 +240,28 @@ def solve(
         plan.record.predicted_time_ms or 0.0,
     )
     return plan
+
+
+def _solve(prof: Profile, sample_batch: Any, budget: Any, *, method: str, verify: bool,
+           solver_params: Mapping[str, Any], model: nn.Module | None = None,
+           loss_fn: Callable[[Any, Any], Any] | None = None, optimizer: Any = None,
+           rounds: int = 3, steps: int = 1) -> Plan:
+    """:func:`solve`'s plan for ``prof``, verified on ``model`` when there is one and a budget."""
+    from remat.solver.solve import solve_profile
+
+    plan = solve_profile(prof, budget, method=method, **solver_params)
+    if not verify or plan.budget_bytes is None or model is None:
+        return plan
+    from remat.verify import measure_plan, verified
+
+    return verified(
+        plan, plan.budget_bytes,
+        lambda target: solve_profile(prof, target, method=method, **solver_params)
+        .with_(budget_bytes=plan.budget_bytes),
+        lambda candidate: measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
+                                       optimizer=optimizer, loop=prof.loop, steps=steps),
+        rounds=rounds,
+    )
 
 
 def pareto(
@@ -258,16 +291,15 @@ def pareto(
     check_count("points", points, lo=1, meaning="how many budgets to solve at",
                 owner="pareto()")
     check_method(method, {})
-    prof = _as_profile(
-        model_or_profile,
-        sample_batch,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        units=units,
-        options=options,
-        loop=loop,
-        granularity=granularity,
-    )
+    if isinstance(model_or_profile, Profile):
+        prof = model_or_profile
+    else:
+        from remat.ambient import planning
+
+        with planning(model_or_profile, loop, "pareto()") as loop:
+            prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,
+                               optimizer=optimizer, units=units, options=options, loop=loop,
+                               granularity=granularity)
     from remat.solver.pareto import pareto_frontier
 
     return pareto_frontier(prof, points=points, method=method, baselines=baselines)

@@ -151,6 +151,14 @@ def _cycles(runner: StepRunner, cycles: int, state: ModelState | None) -> None:
             state.restore_buffers()
 
 
+def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None) -> None:
+    """What an instrument measures: ``steps + 1`` optimizer steps from nothing carried (the
+    first gives the next what the loop carries into it). One step runs as
+    :func:`_cycles` does; several run consecutively, as training runs them (RNG and
+    buffers advance too), so that memory that changes over the steps is seen."""
+    _cycles(runner, steps + 1, state if steps == 1 else None)
+
+
 @contextlib.contextmanager
 def _session(model: nn.Module, optimizer: torch.optim.Optimizer | None,
              restore: bool) -> Iterator[ModelState | None]:
@@ -175,6 +183,7 @@ def measure_step(
     call: nn.Module | None = None,
     restore: bool = True,
     time_within: int | None = None,
+    steps: int = 1,
 ) -> StepMeasurement:
     """Measure one real training step of ``model`` as it is (with or without a plan applied).
 
@@ -209,15 +218,19 @@ def measure_step(
             be snapshotted (FSDP2's sharded parameters): the steps then train it.
         time_within: time the step only when its worst peak is at most this many bytes
             (a search skips timing what does not fit).
+        steps: consecutive optimizer steps each instrument measures, the peak over all of
+            them (after the one that carries into the first); more than 1 catches memory
+            that changes over training (a branch that turns on at step k). They run as
+            training does: RNG and buffers advance from one to the next.
 
     Raises:
         LossNotFoundError: no ``loss_fn`` and the output has no ``.loss``.
     """
     check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
                        where="measure()")
-    if repeats < 0 or warmup < 0 or (repeats and not restore):
-        raise ProfileError(f"need repeats >= 0 and warmup >= 0 (and repeats=0 without restore), "
-                           f"got {repeats=} {warmup=} {restore=}")
+    if repeats < 0 or warmup < 0 or (repeats and not restore) or steps < 1:
+        raise ProfileError(f"need repeats >= 0, warmup >= 0, steps >= 1 (and repeats=0 without "
+                           f"restore), got {repeats=} {warmup=} {steps=} {restore=}")
     loop = loop_or_default(loop)
     device = model_device(model)
     watch = Stopwatch(device)
@@ -230,13 +243,13 @@ def measure_step(
         resident = resident_bytes(model, optimizer, batch=sample_batch, device=device)
         if meter:
             with MemoryMeter(device_type=device.type) as dispatch:
-                _cycles(runner, 2, state)
+                _measured_cycles(runner, steps, state)
             peak, cuda_peak = resident + dispatch.peak_bytes, dispatch.cuda_peak_bytes
         if allocator:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            alloc_peak = resident + allocator_peak(lambda: _cycles(runner, 2, state),
-                                                   device_type=device.type)
+            alloc_peak = resident + allocator_peak(
+                lambda: _measured_cycles(runner, steps, state), device_type=device.type)
             if device.type == "cuda":
                 reserved = torch.cuda.max_memory_reserved()
         if meter:
