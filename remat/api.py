@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from remat.core.budget import of_activations
 from remat.core.checks import check_budget_arg, check_count, check_inputs, check_model, check_plan
-from remat.core.errors import RematError
+from remat.core.errors import ArgumentError, ParameterError, RematError
 from remat.core.loop import Loop
 from remat.core.plan import Plan
 from remat.core.profile import UNIT_TYPE_COUNTS, Profile
@@ -312,12 +314,35 @@ def activation_budget(profile: Profile, fraction: float) -> int:
     ``persistent + fraction * (peak_without_checkpointing - persistent)``, where
     persistent is the parameters, buffers, optimizer state and gradients
     (:attr:`remat.Profile.persistent_bytes`).
+
+    Raises:
+        ArgumentError: ``profile`` is not a :class:`Profile`.
+        ParameterError: ``fraction`` is not a number within ``[0, 1]`` (a string such
+            as ``"0.5"`` or ``"50%"`` included: the budget string goes to ``solve``).
     """
-    if not 0.0 <= fraction <= 1.0:
-        raise RematError(f"fraction must be within [0, 1], got {fraction}")
+    if not isinstance(profile, Profile):
+        raise ArgumentError(f"activation_budget() needs a remat Profile (from remat.profile()), "
+                            f"got a {type(profile).__name__}")
+    number = isinstance(fraction, numbers.Real) and not isinstance(fraction, bool)
+    if not number or not math.isfinite(fraction) or not 0.0 <= fraction <= 1.0:
+        raise ParameterError(
+            f"activation_budget() needs fraction, a number within [0, 1] (the share of the "
+            f"activation memory to leave: 0.5 for half), got {fraction!r}; pass "
+            f"{_as_fraction(fraction)}, or give remat.solve() the budget string "
+            "memory_budget='50%'")
     if fraction == 0:
         return profile.persistent_bytes
     return resolve_budget(of_activations(fraction), profile)
+
+
+def _as_fraction(value: Any) -> str:
+    """What the user probably meant, as a number: ``"0.5"`` -> ``0.5``, ``"50%"`` -> ``0.5``."""
+    text = str(value).strip()
+    try:
+        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        return "a float such as 0.5"
+    return repr(number) if 0.0 <= number <= 1.0 else "a float such as 0.5"
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, strict_shapes: bool = False,
