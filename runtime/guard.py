@@ -56,7 +56,7 @@ import inspect
 import math
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -239,7 +239,7 @@ class PlanGuard:
 
 # --------------------------------------------------------------------------- the loop
 def _param_slot(modules: list[nn.Module], model: nn.Module,
-                wanted: Any) -> tuple[nn.Module, str] | None:
+                wanted: Callable[[nn.Parameter], bool]) -> tuple[nn.Module, str] | None:
     """``(owning module, name)`` of the first parameter of the units (else of the model)
     that ``wanted(parameter)`` accepts. Read back through the owner at each check, so a
     parameter replaced by a conversion (``swap_tensors``) is still the one read."""
@@ -249,6 +249,14 @@ def _param_slot(modules: list[nn.Module], model: nn.Module,
                 if p is not None and wanted(p):
                     return owner, name
     return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s storage (its elements' for a tensor without one: a DTensor)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
 
 
 def _unit_containers(model: nn.Module, names: tuple[str, ...]) -> tuple[tuple[str, nn.Module,
@@ -303,29 +311,36 @@ class LoopChecks:
 
     # -- before each training forward --------------------------------------------------
     def before_forward(self, model: nn.Module) -> None:
-        """The cheap reads: one ``.grad``, the autocast state, one dtype, a few lengths."""
+        """The cheap reads: one ``.grad``, the autocast state, one dtype, a few lengths.
+        A mismatch found is reported once (:meth:`said`): a loop that accumulates does so
+        at every step, and its figure costs a pass over every gradient."""
         if self.loop is not None:
             slot = self.grad_slot
             if slot is not None:
                 p = slot[0]._parameters.get(slot[1])
-                if p is not None and p.grad is not None:
+                if p is not None and p.grad is not None and not self.said("grads"):
                     self.grads_alive(model)
             device = self.device_type
             if device is not None:
                 on = torch.is_autocast_enabled(device)
-                if on != (self.autocast is not None) or (
-                        on and torch.get_autocast_dtype(device) != self.autocast):
+                if (on != (self.autocast is not None) or (
+                        on and torch.get_autocast_dtype(device) != self.autocast)) \
+                        and not self.said("autocast"):
                     self.autocast_differs(on)
         slot = self.dtype_slot
         if slot is not None:
             p = slot[0]._parameters.get(slot[1])
-            if p is not None and p.dtype != self.planned_dtype:
+            if p is not None and p.dtype != self.planned_dtype and not self.said("dtype"):
                 self.dtype_differs(p.dtype)
         for name, module, children in self.containers:
-            if len(module._modules) > children:
+            if len(module._modules) > children and not self.said("added"):
                 self.module_added(name, module, children)
 
     # -- the mismatches ------------------------------------------------------------------
+    def said(self, kind: str) -> bool:
+        """Whether this kind of mismatch was warned of already (never, with ``strict``)."""
+        return not self.strict and kind in self.warned
+
     def report(self, kind: str, message: str) -> None:
         """Raise (``strict``) or warn once per kind of mismatch."""
         if self.strict:
@@ -358,8 +373,9 @@ class LoopChecks:
         loop = self.loop
         assert loop is not None
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        nbytes = sum(g.untyped_storage().nbytes() for g in grads)
-        zeroed = all(not bool(g.any()) for g in grads)
+        nbytes = sum(_nbytes(g) for g in grads)
+        # Zeroed in place or accumulated; a sharded gradient (DTensor) is not looked into.
+        zeroed = all(type(g) is torch.Tensor and not bool(g.any()) for g in grads)
         if zeroed:
             cause = "the loop zeroes them in place (zero_grad(set_to_none=False))"
             fix = loop_code(loop, set_to_none=False)
@@ -451,7 +467,7 @@ class _OutputHeld:
     def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         t = self.ref()
         if t is not None:
-            self.checks.output_kept(t.untyped_storage().nbytes())
+            self.checks.output_kept(_nbytes(t))
 
 
 class OutputWatch:
@@ -472,7 +488,7 @@ class OutputWatch:
 
     def __call__(self, model: nn.Module, args: Any, output: Any) -> None:
         checks = self.checks
-        if ("output" in checks.warned and not checks.strict) or torch.compiler.is_compiling() \
+        if checks.said("output") or torch.compiler.is_compiling() \
                 or not (torch.is_grad_enabled() and model.training):
             return
         self.forwards += 1

@@ -118,6 +118,13 @@ def test_accumulated_gradients_warn_once_with_the_bytes_and_the_fix(plain: Plan)
                    "count", f"about {format_bytes(peak + grads)}", f"{over:+.0f}% against the "
                    "budget", "loop=remat.Loop(accumulation_steps=N)", "strict=True"):
         assert phrase in said[0], (phrase, said[0])
+    # Said once, the figure (a pass over every gradient) is not worked out again.
+    state = model.__dict__["_remat_state"]
+    checks = model._forward_pre_hooks[state.plan_guard_id].loop_checks
+    calls: list[int] = []
+    checks.grads_alive = lambda m: calls.append(1)
+    train(model, 2, accumulate=4)
+    assert calls == []
 
 
 def test_gradients_zeroed_in_place_name_set_to_none(plain: Plan) -> None:
