@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.core.errors import ProfileError
+from remat.execute.autocast import outside_autocast
 from remat.execute.boundary import boundary_input, boundary_output
 from remat.execute.kv_cache import is_kv_cache, warn_kv_cache_once
 from remat.measurement.state import RngState
@@ -184,44 +185,6 @@ def saving_as_autograd_does() -> Iterator[None]:
     finally:
         for pack, unpack in reversed(popped):
             autograd._push_saved_tensors_default_hooks(pack, unpack)
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-@contextlib.contextmanager
-def outside_autocast() -> Iterator[None]:
-    """The block runs as if no ``torch.autocast`` region were open around it.
-
-    A replay inside the capture pass opens the loop's autocast itself for its forward
-    and runs its backward outside it, as a training loop does; and its own region must
-    be the outermost one, since autocast's cache of weight casts is emptied only when
-    the outermost region ends (what the replay measures as the unit's cache). So the
-    pass's regions are closed for the block and reopened after it, as they were.
-    """
-    saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-             for d in _AUTOCAST_DEVICES]
-    cache = torch.is_autocast_cache_enabled()
-    depth = 0  # how many regions are open: closed one by one, reopened after
-    while True:
-        left = torch.autocast_decrement_nesting()
-        if left < 0:  # none was open
-            torch.autocast_increment_nesting()
-            break
-        depth += 1
-        if left == 0:
-            break
-    try:
-        for d, _, _ in saved:
-            torch.set_autocast_enabled(d, False)
-        yield
-    finally:
-        for _ in range(depth):
-            torch.autocast_increment_nesting()
-        for d, enabled, dtype in saved:
-            torch.set_autocast_enabled(d, enabled)
-            torch.set_autocast_dtype(d, dtype)
-        torch.set_autocast_cache_enabled(cache)
 
 
 def trace_units(

@@ -24,7 +24,7 @@ _LAZY = {
     "profile": ("remat.api", "profile"),
     "measure": ("remat.measurement.step", "measure_step"),
     "apply_plan": ("remat.api", "apply_plan"),
-    "remove_plan": ("remat.runtime", "remove_plan"),
+    "remove_plan": ("remat.api", "remove_plan"),
     "solve": ("remat.api", "solve"),
     "pareto": ("remat.api", "pareto"),
     "plot_pareto": ("remat.plot", "plot_pareto"),

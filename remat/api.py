@@ -18,7 +18,10 @@ and costs no profiling time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +35,10 @@ from remat.core.checks import (
     check_plan,
     check_profile_args,
 )
-from remat.core.errors import RematError
+from remat.core.errors import ArgumentError, ParameterError, RematError
 from remat.core.loop import Loop, loop_or_default
 from remat.core.plan import Plan
-from remat.core.profile import Profile
+from remat.core.profile import UNIT_TYPE_COUNTS, Profile
 from remat.solver.resolve import resolve_budget
 from remat.solver.solve import check_method
 
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from torch import nn
 
-__all__ = ["activation_budget", "apply_plan", "pareto", "profile", "solve"]
+__all__ = ["activation_budget", "apply_plan", "pareto", "profile", "remove_plan", "solve"]
 
 log = logging.getLogger("remat")
 
@@ -68,7 +71,20 @@ def profile(
     A second call on the same model with the same batch shapes, loop and options takes
     the profile the first made (:mod:`remat.profile_cache`: any change to the model's
     structure, shapes, dtypes or modes, or to the settings, measures anew).
+
+    Inside a ``torch.autocast`` and without ``loop=``, the profile is for
+    ``Loop(autocast=<its dtype>)`` (a ``loop=`` that says otherwise is refused):
+    :mod:`remat.ambient`.
     """
+    from remat.ambient import planning
+
+    with planning(model, settings.pop("loop", None), "profile()") as loop:
+        return _profile(model, sample_batch, granularity=granularity, loop=loop, **settings)
+
+
+def _profile(model: nn.Module, sample_batch: Any, *, granularity: str,
+             **settings: Any) -> Profile:
+    """:func:`profile`'s work, outside any ambient autocast: the cached profile, or a new one."""
     from remat.profile_cache import cached_profile
     from remat.profiler import profile_levels
 
@@ -79,16 +95,26 @@ def profile(
         blocks, children = profile_levels(model, sample_batch, granularity=granularity,
                                           **settings)
         if children is None:
-            return blocks
+            return _with_unit_type_counts(blocks, model)
         from remat.granularity import pick_level
 
-        return pick_level(blocks, children)
+        return _with_unit_type_counts(pick_level(blocks, children), model)
 
     return cached_profile(
         model, sample_batch, make, loss_fn=settings.get("loss_fn"),
         optimizer=settings.get("optimizer"), loop=loop_or_default(settings.get("loop")),
         units=settings.get("units"), options=settings.get("options"),
         granularity=granularity, repeats=settings.get("repeats", 3))
+
+
+def _with_unit_type_counts(prof: Profile, model: nn.Module) -> Profile:
+    """``prof`` with how many modules of each unit class the model has, in its ``meta``:
+    a plan solved from it refuses a deeper model (``PlanTarget.unit_type_counts``)."""
+    from remat.execute.structure import unit_type_counts
+
+    counts = unit_type_counts(model, (u.type_name for u in prof.units),
+                              [u.name for u in prof.units])
+    return dataclasses.replace(prof, meta={**prof.meta, UNIT_TYPE_COUNTS: counts})
 
 
 def _as_profile(
@@ -123,6 +149,7 @@ def solve(
     granularity: str = "blocks",
     verify: bool = True,
     verify_rounds: int = 3,
+    verify_steps: int = 1,
     compiled: bool = False,
     compile_options: Mapping[str, Any] | None = None,
     **solver_params: Any,
@@ -156,13 +183,19 @@ def solve(
             that keeps the output. ``remat.Loop.hf_trainer(args)`` is Hugging Face's.
         granularity: ``"blocks"`` (default), ``"children"`` or ``"auto"`` (also profile
             the blocks' children when the blocks are few or one dominates, and keep
-            the level with the better frontier): see :func:`remat.profile`.
+            the level with the better frontier): see :func:`remat.profile`. Called
+            inside a ``torch.autocast`` without ``loop=``, the loop is
+            ``Loop(autocast=<its dtype>)`` (logged); a ``loop=`` with another autocast
+            is refused (:mod:`remat.ambient`).
         verify: with a model and a budget, apply the plan, measure one real step of
             the loop (the higher of the dispatch-level meter and the allocator's
             view), and when it is over the budget solve again for a budget lowered by
             the excess (:mod:`remat.verify`). The plan records the measured peak.
             ``False`` skips it (the plan then carries only its prediction).
         verify_rounds: the most plans verification measures.
+        verify_steps: how many consecutive optimizer steps verification measures (the
+            peak over all of them); more catches memory that changes after the first
+            steps (a branch that turns on at step k), at one measured step's time each.
         compiled: the model will train under ``torch.compile``: choose the fastest
             plan of the optimal frontier, and inductor ``activation_memory_budget``,
             whose *compiled* step, measured with the allocator, fits the budget
@@ -197,43 +230,34 @@ def solve(
     if verify and memory_budget is not None and not isinstance(model_or_profile, Profile):
         check_count("verify_rounds", verify_rounds, lo=1, meaning="the most plans verification "
                     "measures; verify=False skips it", owner="solve()")
+        check_count("verify_steps", verify_steps, lo=1, meaning="the consecutive optimizer "
+                    "steps verification measures", owner="solve()")
     if compiled and (isinstance(model_or_profile, Profile) or memory_budget is None):
         raise RematError(
             "compiled=True measures candidate plans compiled, so it needs the model, a sample "
             "batch and a budget: remat.solve(model, sample_batch, memory_budget=..., "
             "compiled=True)"
         )
-    prof = _as_profile(
-        model_or_profile,
-        sample_batch,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        units=units,
-        options=options,
-        loop=loop,
-        granularity=granularity,
-    )
-    if compiled:
-        from remat.compiled import solve_compiled
+    if isinstance(model_or_profile, Profile):
+        plan = _solve(model_or_profile, sample_batch, budget, method=method,
+                      verify=False, solver_params=solver_params)
+    else:
+        from remat.ambient import planning
 
-        return solve_compiled(model_or_profile, sample_batch, prof, budget, method=method,
-                              loss_fn=loss_fn, optimizer=optimizer,
-                              compile_options=compile_options, **solver_params)
-    from remat.solver.solve import solve_profile
+        with planning(model_or_profile, loop, "solve()") as loop:
+            prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,
+                               optimizer=optimizer, units=units, options=options, loop=loop,
+                               granularity=granularity)
+            if compiled:
+                from remat.compiled import solve_compiled
 
-    plan = solve_profile(prof, _within_device(prof, budget), method=method, **solver_params)
-    if verify and plan.budget_bytes is not None and not isinstance(model_or_profile, Profile):
-        from remat.verify import measure_plan, verified
-
-        model = model_or_profile
-        plan = verified(
-            plan, plan.budget_bytes,
-            lambda target: solve_profile(prof, target, method=method, **solver_params)
-            .with_(budget_bytes=plan.budget_bytes),
-            lambda candidate: measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
-                                           optimizer=optimizer, loop=prof.loop),
-            rounds=verify_rounds,
-        )
+                return solve_compiled(model_or_profile, sample_batch, prof, budget,
+                                      method=method, loss_fn=loss_fn, optimizer=optimizer,
+                                      compile_options=compile_options, **solver_params)
+            plan = _solve(prof, sample_batch, budget, method=method, verify=verify,
+                          solver_params=solver_params, model=model_or_profile,
+                          loss_fn=loss_fn, optimizer=optimizer, rounds=verify_rounds,
+                          steps=verify_steps)
     log.info(
         "remat: %s plan (%s), predicted peak %d B, step %.1f ms",
         plan.record.algorithm,
@@ -264,6 +288,28 @@ def _within_device(profile: Profile, budget: Any) -> Any:
     return capacity
 
 
+def _solve(prof: Profile, sample_batch: Any, budget: Any, *, method: str, verify: bool,
+           solver_params: Mapping[str, Any], model: nn.Module | None = None,
+           loss_fn: Callable[[Any, Any], Any] | None = None, optimizer: Any = None,
+           rounds: int = 3, steps: int = 1) -> Plan:
+    """:func:`solve`'s plan for ``prof``, verified on ``model`` when there is one and a budget."""
+    from remat.solver.solve import solve_profile
+
+    plan = solve_profile(prof, _within_device(prof, budget), method=method, **solver_params)
+    if not verify or plan.budget_bytes is None or model is None:
+        return plan
+    from remat.verify import measure_plan, verified
+
+    return verified(
+        plan, plan.budget_bytes,
+        lambda target: solve_profile(prof, target, method=method, **solver_params)
+        .with_(budget_bytes=plan.budget_bytes),
+        lambda candidate: measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
+                                       optimizer=optimizer, loop=prof.loop, steps=steps),
+        rounds=rounds,
+    )
+
+
 def pareto(
     model_or_profile: nn.Module | Profile,
     sample_batch: Any = None,
@@ -291,16 +337,15 @@ def pareto(
     check_count("points", points, lo=1, meaning="how many budgets to solve at",
                 owner="pareto()")
     check_method(method, {})
-    prof = _as_profile(
-        model_or_profile,
-        sample_batch,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        units=units,
-        options=options,
-        loop=loop,
-        granularity=granularity,
-    )
+    if isinstance(model_or_profile, Profile):
+        prof = model_or_profile
+    else:
+        from remat.ambient import planning
+
+        with planning(model_or_profile, loop, "pareto()") as loop:
+            prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,
+                               optimizer=optimizer, units=units, options=options, loop=loop,
+                               granularity=granularity)
     from remat.solver.pareto import pareto_frontier
 
     return pareto_frontier(prof, points=points, method=method, baselines=baselines)
@@ -313,25 +358,72 @@ def activation_budget(profile: Profile, fraction: float) -> int:
     ``persistent + fraction * (peak_without_checkpointing - persistent)``, where
     persistent is the parameters, buffers, optimizer state and gradients
     (:attr:`remat.Profile.persistent_bytes`).
+
+    Raises:
+        ArgumentError: ``profile`` is not a :class:`Profile`.
+        ParameterError: ``fraction`` is not a number within ``[0, 1]`` (a string such
+            as ``"0.5"`` or ``"50%"`` included: the budget string goes to ``solve``).
     """
-    if not 0.0 <= fraction <= 1.0:
-        raise RematError(f"fraction must be within [0, 1], got {fraction}")
+    if not isinstance(profile, Profile):
+        raise ArgumentError(f"activation_budget() needs a remat Profile (from remat.profile()), "
+                            f"got a {type(profile).__name__}")
+    number = isinstance(fraction, numbers.Real) and not isinstance(fraction, bool)
+    if not number or not math.isfinite(fraction) or not 0.0 <= fraction <= 1.0:
+        raise ParameterError(
+            f"activation_budget() needs fraction, a number within [0, 1] (the share of the "
+            f"activation memory to leave: 0.5 for half), got {fraction!r}; pass "
+            f"{_as_fraction(fraction)}, or give remat.solve() the budget string "
+            "memory_budget='50%'")
     if fraction == 0:
         return profile.persistent_bytes
     return resolve_budget(of_activations(fraction), profile)
 
 
-def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
+def _as_fraction(value: Any) -> str:
+    """What the user probably meant, as a number: ``"0.5"`` -> ``0.5``, ``"50%"`` -> ``0.5``."""
+    text = str(value).strip()
+    try:
+        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        return "a float such as 0.5"
+    return repr(number) if 0.0 <= number <= 1.0 else "a float such as 0.5"
+
+
+def apply_plan(model: nn.Module, plan: Plan, *, strict_shapes: bool = False,
+               strict: bool = False) -> nn.Module:
     """:func:`remat.runtime.apply_plan` after checking its arguments: change ``model`` in
     place so that training runs under ``plan``; returns ``model``.
+
+    Args:
+        model, plan: the model and the plan made for it.
+        strict_shapes: a training forward on inputs larger than the plan was profiled
+            with raises ``PlanMismatchError`` instead of warning.
+        strict: every mismatch between the plan and the training that runs (gradients
+            alive at a forward's start, the output kept through backward, another
+            autocast or dtype, an added module, larger inputs) raises
+            ``PlanMismatchError`` instead of warning once.
 
     Raises:
         ArgumentError: ``model`` is not a module, or ``plan`` is not a Plan (a path to a
             plan file: load it with ``remat.Plan.from_json(path)``).
-        PlanMismatchError: the plan does not fit the model.
+        PlanMismatchError: the plan does not fit the model (another width, dtype or
+            depth, a device it was not made for).
     """
     check_model(model, "apply_plan()")
     check_plan(plan, "apply_plan()")
     from remat.runtime import apply_plan as apply
 
-    return apply(model, plan)
+    return apply(model, plan, strict_shapes=strict_shapes, strict=strict)
+
+
+def remove_plan(model: nn.Module) -> nn.Module:
+    """:func:`remat.runtime.remove_plan` after checking its argument: restore the forwards
+    ``apply_plan`` replaced; returns ``model`` (a no-op on a model without a plan).
+
+    Raises:
+        ArgumentError: ``model`` is not a module.
+    """
+    check_model(model, "remove_plan()")
+    from remat.runtime import remove_plan as remove
+
+    return remove(model)

@@ -49,9 +49,14 @@ def loss_from_spec(spec: str, target: Any = None) -> Callable[[Any, Any], Any]:
     ``target``) or ``module:function``."""
     if ":" in spec:
         module_name, _, fn_name = spec.partition(":")
+        if not module_name.strip() or not fn_name.strip():
+            raise LossSpecError(f"--loss {spec!r}: name both the module and the function, "
+                                "module:function (e.g. mypackage.losses:my_loss), where "
+                                "function(output, batch) returns the scalar loss; or "
+                                f"{' or '.join(LOSSES)}")
         try:
             fn = getattr(importlib.import_module(module_name), fn_name)
-        except (ImportError, AttributeError) as err:
+        except (ImportError, AttributeError, ValueError) as err:
             raise LossSpecError(f"--loss {spec!r}: cannot load {fn_name!r} from module "
                                 f"{module_name!r} ({err}); give module:function, where "
                                 "function(output, batch) returns the scalar loss") from err

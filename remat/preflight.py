@@ -193,7 +193,8 @@ def estimate(
             time) or a :class:`Profile` measured before.
         sample_batch: one micro-batch, as for :func:`remat.profile`.
         optimizer: count its state and its step (pass the optimizer you will train with).
-        loop: the training loop (:class:`remat.Loop`); default a plain loop.
+        loop: the training loop (:class:`remat.Loop`); default a plain loop, or inside a
+            ``torch.autocast`` ``Loop(autocast=<its dtype>)`` (:mod:`remat.ambient`).
         loss_fn, units, options: as for :func:`remat.profile`.
         memory_budget: also answer whether this budget fits (bytes, ``"8GB"``, ``"60%"``).
 
@@ -206,10 +207,13 @@ def estimate(
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile
     else:
+        from remat.ambient import planning
         from remat.api import profile
 
-        prof = profile(model_or_profile, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
-                       units=units, options=options, loop=loop)
+        # Inside a torch.autocast, the estimate is for that loop (remat.ambient).
+        with planning(model_or_profile, loop, "estimate()") as loop:
+            prof = profile(model_or_profile, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
+                           units=units, options=options, loop=loop)
     return estimate_profile(prof, memory_budget)
 
 

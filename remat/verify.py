@@ -47,15 +47,17 @@ def measure_plan(
     loss_fn: LossFn | None,
     optimizer: torch.optim.Optimizer | None,
     loop: Loop | None,
+    steps: int = 1,
 ) -> StepMeasurement:
-    """One optimizer step of ``loop`` with ``plan`` applied, measured with both
-    instruments; the model is left as it was (plan removed, state restored)."""
+    """``steps`` consecutive optimizer steps of ``loop`` with ``plan`` applied, measured
+    with both instruments (the peak over all of them); the model is left as it was (plan
+    removed, state restored)."""
     apply_plan(model, plan)
     try:
         # No warm-up: the first measured step creates the optimizer's state, as training's
         # first step does (its peak counts); one timed step for the time.
         return measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
-                            warmup=0, repeats=1, allocator=True)
+                            warmup=0, repeats=1, allocator=True, steps=steps)
     finally:
         remove_plan(model)
 

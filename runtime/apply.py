@@ -32,12 +32,29 @@ from remat.core.errors import PlanMismatchError, RematError, RematWarning
 from remat.core.option import Option
 from remat.core.plan import Plan, PlanTarget
 from remat.execute.boundary import boundary_input
-from remat.execute.options import forward_with_option, option_is_active, tracking_batchnorms
+from remat.execute.options import (
+    SELECTIVE_SAVE_OPS,
+    forward_with_option,
+    option_is_active,
+    tracking_batchnorms,
+)
 from remat.execute.planned import STATE_ATTR, unwrap
-from remat.execute.structure import describe_mismatch, unit_signature
-from remat.runtime.guard import PlanGuard, positional_names, replaced_units
+from remat.execute.structure import (
+    describe_mismatch,
+    holds_a_unit,
+    unit_signature,
+    unit_type_counts,
+)
+from remat.runtime.guard import (
+    LoopChecks,
+    OutputWatch,
+    PlanGuard,
+    positional_names,
+    replaced_units,
+)
 from remat.runtime.inplace import (
     InputWritten,
+    NestedBackward,
     WriteProbe,
     argument_versions,
     tensor_arguments,
@@ -70,9 +87,13 @@ class _RematState:
         self.runner = runner
         self.guard_hook_id: int | None = None
         self.plan_guard_id: int | None = None
+        self.output_watch_id: int | None = None
         # Per unit, whether its forward writes into its own arguments: None until its
         # first recomputed call tells (see ``_probe``).
         self.writes_input: list[bool | None] = [None] * len(modules)
+        # Per unit, the option it runs as when its first call found that it cannot run
+        # the plan's (None: the plan's); see ``_probe``.
+        self.runs_as: list[str | None] = [None] * len(modules)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A model unpickled in a fresh process runs its segments eagerly there too.
@@ -80,6 +101,8 @@ class _RematState:
         # Pickled by a remat without these: probe again, no guard to remove.
         self.__dict__.setdefault("writes_input", [None] * len(self.modules))
         self.__dict__.setdefault("plan_guard_id", None)
+        self.__dict__.setdefault("output_watch_id", None)
+        self.__dict__.setdefault("runs_as", [None] * len(self.modules))
         if self.runner is not None:
             _disable_compile_for_segments()
 
@@ -94,7 +117,7 @@ class _RematState:
     def call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run unit ``index`` under its option (or as part of its segment)."""
         module = self.modules[index]
-        option = self.plan.options[index]
+        option = self.runs_as[index] or self.plan.options[index]
         active = option_is_active(module, option)
         compiling = torch.compiler.is_compiling()
         runner = self.runner
@@ -129,30 +152,40 @@ class _RematState:
         return output
 
     def _probe(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A unit's first recomputed call, watched for writes into its arguments.
+        """A unit's first recomputed call, watched for writes into its arguments (and,
+        under ``selective``, into the tensors selective keeps for backward).
 
         The write is stopped before it happens (:class:`WriteProbe`), the checkpoint
         region abandoned, what the forward had done to the RNG and BatchNorm
         statistics undone, and the call run plainly; the unit stays ``keep`` from
         then on, with a warning. Python-level side effects of the abandoned part of
-        the forward (a call counter) happen twice on that one call.
+        the forward (a call counter) happen twice on that one call. A write into a
+        tensor selective keeps is a plan the unit cannot run: ``PlanMismatchError``. A
+        ``selective`` unit whose forward runs a backward of its own
+        (``torch.autograd.grad``) runs as ``checkpoint`` from then on, with a warning:
+        torch's selective cache cannot serve two backward passes through one forward.
         """
         module = self.modules[index]
-        option = self.plan.options[index]
+        option = self.runs_as[index] or self.plan.options[index]
         forward = self.original_forward(index)
         watched = tensor_arguments(args, kwargs)
-        if not watched:
+        selective = option == Option.SELECTIVE.value
+        if not watched and not selective:
             self.writes_input[index] = False
             return forward_with_option(module, option, forward, args, kwargs)
         rng = torch.get_rng_state(), *_ckpt.get_device_states(*(t for _, t in watched))
         stats = [(buf, buf.detach().clone()) for bn in tracking_batchnorms(module)
                  for buf in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
                  if buf is not None]
+        saved_ops = SELECTIVE_SAVE_OPS if selective else frozenset()
+        nested = None
         try:
-            with WriteProbe(watched):
+            with WriteProbe(watched, saved_ops=saved_ops, stop_nested=selective):
                 output = forward_with_option(module, option, forward, args, kwargs)
         except InputWritten as hit:
-            written = f"{hit.label} ({hit.op})"
+            written, saved, op = f"{hit.label} ({hit.op})", hit.saved, hit.op
+        except NestedBackward as hit:
+            nested = hit.op
         else:
             self.writes_input[index] = False
             return output
@@ -163,6 +196,19 @@ class _RematState:
         with torch.no_grad():
             for buf, value in stats:
                 buf.copy_(value)
+        if nested is not None:
+            return self._run_as_checkpoint(index, args, kwargs)
+        if saved:
+            name = self.plan.unit_names[index]
+            raise PlanMismatchError(
+                f"unit {name!r} cannot run option 'selective': its forward writes in place "
+                f"({op}) into {written.rpartition(' (')[0]} (an in-place activation such as "
+                "nn.ReLU(inplace=True) after a Linear), and torch's backward would refuse "
+                "that saved tensor. Give the unit "
+                f"'checkpoint' or 'keep' in the plan (Plan.from_options(names, {{{name!r}: "
+                "'checkpoint'}})), or solve again: remat.solve() drops the options a unit "
+                "cannot run"
+            )
         self.writes_input[index] = True
         warnings.warn(
             f"remat: unit {self.plan.unit_names[index]!r} writes into its {written} in place, "
@@ -174,6 +220,23 @@ class _RematState:
             stacklevel=2,
         )
         return forward(*args, **kwargs)
+
+    def _run_as_checkpoint(self, index: int, args: tuple[Any, ...],
+                           kwargs: dict[str, Any]) -> Any:
+        """Unit ``index`` runs a backward pass inside its forward: ``selective`` cannot
+        recompute it, so it runs as ``checkpoint`` (same gradients; it holds less, only
+        its inputs, and recomputes all of its forward), probed as such."""
+        self.runs_as[index] = Option.CHECKPOINT.value
+        warnings.warn(
+            f"remat: unit {self.plan.unit_names[index]!r} runs a backward pass inside its "
+            "forward (torch.autograd.grad), which 'selective' cannot recompute (torch's "
+            "selective cache serves one backward through the region); it runs as 'checkpoint' "
+            "from now on: the same gradients, less memory, more recomputation. Give it "
+            "'checkpoint' or 'keep' in the plan to silence this",
+            RematWarning,
+            stacklevel=3,
+        )
+        return self._probe(index, args, kwargs)
 
     def _refuse_writes_in_segment(self, index: int, args: tuple[Any, ...],
                                   kwargs: dict[str, Any], before: Any) -> None:
@@ -272,7 +335,8 @@ def _disable_compile_for_segments() -> None:
 
 
 # --------------------------------------------------------------------------- API
-def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False) -> ModuleT:
+def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False,
+               strict: bool = False) -> ModuleT:
     """Change ``model`` in place so that training runs under ``plan``; returns ``model``.
 
     Each unit's forward runs under its option (``keep``, ``checkpoint``,
@@ -311,7 +375,15 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False) -> Mo
     replaced after ``apply_plan`` raises ``PlanMismatchError`` at the next training
     forward (apply the plan again). A unit that writes into its own input in place
     cannot be recomputed: its first call finds out, and it runs as ``keep``, with a
-    warning (:mod:`remat.runtime.inplace`).
+    warning (:mod:`remat.runtime.inplace`); a ``selective`` unit that writes into a
+    tensor selective keeps is refused at its first call.
+
+    The loop and the model are watched too: a solved plan records its loop, and
+    gradients alive when a forward starts, the output kept through backward, autocast
+    or parameter dtypes other than planned, or a block added after ``apply_plan``
+    warn once each with what the plan did not count (or raise, with ``strict``).
+    A model deeper than the one profiled (more modules of the units' classes) is
+    refused here, and so are parameters in another dtype.
 
     Recomputation runs as the forward ran: in the train/eval modes the forward had
     (``model.eval()`` before ``backward()`` is fine), and ``selective`` survives
@@ -323,6 +395,9 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False) -> Mo
             ``Plan.from_options(names, {...})``; checked by unit names and types only).
         strict_shapes: raise ``PlanMismatchError`` instead of warning when a training
             forward gets inputs larger than the plan was profiled with.
+        strict: raise ``PlanMismatchError`` instead of warning on every mismatch
+            between the plan and the training that runs (the loop, the dtype, an added
+            module, larger inputs: ``strict_shapes`` too).
 
     Raises:
         PlanMismatchError: the plan does not fit the model (missing units, other
@@ -349,8 +424,11 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False) -> Mo
     if runner is not None:
         handle = target.register_forward_hook(_SegmentGuard(runner), always_call=True)
         state.guard_hook_id = handle.id
-    guard = PlanGuard(plan, modules, positional_names(target), strict_shapes)
+    checks = LoopChecks(plan, modules, target, strict=strict)
+    guard = PlanGuard(plan, modules, positional_names(target), strict_shapes or strict, checks)
     state.plan_guard_id = target.register_forward_pre_hook(guard, with_kwargs=True).id
+    if checks.watch_output:
+        state.output_watch_id = target.register_forward_hook(OutputWatch(checks)).id
     target.__dict__[STATE_ATTR] = state
     logger.debug("remat: applied plan (%s) to %s", plan.summary(), type(target).__name__)
     return model
@@ -387,6 +465,8 @@ def remove_plan(model: ModuleT) -> ModuleT:
     if state.plan_guard_id is not None:
         target._forward_pre_hooks.pop(state.plan_guard_id, None)
         target._forward_pre_hooks_with_kwargs.pop(state.plan_guard_id, None)
+    if state.output_watch_id is not None:
+        target._forward_hooks.pop(state.output_watch_id, None)
     del target.__dict__[STATE_ATTR]
     return model
 
@@ -436,6 +516,7 @@ def _validate(model: nn.Module, plan: Plan) -> list[nn.Module]:
     _check_structure(plan, modules)
     _check_types(plan, modules)
     _check_signatures(plan, modules)
+    _check_depth(model, plan, modules)
     _check_options(plan)
     _check_device(model, plan)
     return modules
@@ -526,6 +607,34 @@ def _check_signatures(plan: Plan, modules: list[nn.Module]) -> None:
         )
 
 
+def _check_depth(model: nn.Module, plan: Plan, modules: list[nn.Module]) -> None:
+    """A solved plan's model had as many modules of the units' classes as this one.
+
+    More of them (8 blocks under a plan for 6) is a deeper model than the one
+    profiled: the others would run unplanned, outside every figure of the plan.
+    """
+    recorded = plan.target.unit_type_counts
+    if recorded is None:
+        return  # a manual plan, or one from a profile that did not record them
+    live = unit_type_counts(model, [name for name, _ in recorded], plan.unit_names)
+    deeper = [(name, live[name], count) for name, count in recorded if live[name] > count]
+    if not deeper:
+        return
+    kind, now, then = deeper[0]
+    planned = {id(m) for m in modules}
+    others = [name for name, m in model.named_modules()
+              if type(m).__name__ == kind and id(m) not in planned
+              and not holds_a_unit(name, plan.unit_names)]
+    shown = ", ".join(repr(n) for n in others[:5]) + (" ..." if len(others) > 5 else "")
+    raise PlanMismatchError(
+        f"the model is deeper than the one the plan was made for: it has {now} {kind} modules "
+        f"and the profiled model had {then} (besides those holding units); "
+        + (f"{shown} are not among the plan's units and" if others else "the others")
+        + " would run unplanned, outside the plan's memory figures. Profile and solve "
+        "again for this model (remat.solve(model, batch, ...))"
+    )
+
+
 def _check_options(plan: Plan) -> None:
     valid = [o.value for o in Option]
     bad = sorted({o for o in plan.options if o not in valid})
@@ -542,7 +651,15 @@ def _check_options(plan: Plan) -> None:
 def _check_device(model: nn.Module, plan: Plan) -> None:
     if plan.target.device is None:
         return
-    expected = torch.device(plan.target.device).type
+    try:
+        expected = torch.device(plan.target.device).type
+    except (RuntimeError, ValueError):
+        raise PlanMismatchError(
+            f"the plan's target device {plan.target.device!r} is not a device torch knows "
+            "('cpu', 'cuda', 'mps'...); the plan was edited or written by another tool. Set "
+            "its target 'device' to the device type the model trains on, or solve again "
+            "(remat.solve(model, batch, ...))"
+        ) from None
     tensors = list(model.parameters()) or list(model.buffers())
     found = sorted({t.device.type for t in tensors})
     if found and found != [expected]:

@@ -20,6 +20,34 @@ backward, so neither matters; and not while ``torch.compile`` traces):
   (``model.layers[3] = NewBlock()``) would run unplanned, outside the plan's
   figures and outside its segment. The hook checks that every unit is still the
   module the plan was applied to and raises :class:`PlanMismatchError` otherwise.
+
+A plan is also made for one training loop (``Plan.target.loop``) and one model, and
+the same hook watches that they are the ones that run (:class:`LoopChecks`), at the
+cost of a few attribute reads per training forward:
+
+* **gradients alive at the start of a forward** that the loop says are cleared
+  (``Loop()``: one micro-batch, ``zero_grad(set_to_none=True)``): the loop
+  accumulates them or zeroes them in place, and they take their bytes on top of
+  every figure of the plan. One parameter is read (the first trainable one of the
+  first unit).
+* **autocast** on, off or in another dtype than the loop says.
+* **parameters in another dtype** than planned (``model.float()`` after solving in
+  bfloat16): one parameter's dtype is read.
+* **a module added** to a container of the units after ``apply_plan`` (a block
+  appended): it runs unplanned. The containers' lengths are read.
+* **the output kept through backward** when the loop says it is dropped
+  (``Loop(keep_output=False)``): a forward hook (:class:`OutputWatch`) puts a hook on
+  the node that made the output's largest tensor, holding only a weak reference to the
+  tensor; the hook runs once that tensor's consumers (the loss) have run their backward
+  and let go of it, so if it is still alive then, the loop holds it (a few µs per
+  forward, for such plans only).
+
+Each mismatch warns once (:class:`RematWarning`), naming what differs, the bytes the
+plan did not count where they can be told (or its peak scaled), and the fix; with
+``apply_plan(..., strict=True)`` it raises :class:`PlanMismatchError`. None is
+checked in eval mode, under ``torch.no_grad()`` or while ``torch.compile`` traces;
+the loop checks need a plan that records its loop (a solved one), the dtype check
+one that records its units' signatures.
 """
 
 from __future__ import annotations
@@ -27,7 +55,8 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,9 +64,12 @@ from torch import nn
 
 from remat.core.bytesize import format_bytes
 from remat.core.errors import PlanMismatchError, RematWarning
+from remat.core.loop import loop_code
 from remat.core.plan import Plan
+from remat.measurement.runner import output_tensors
 
-__all__ = ["PlanGuard", "call_shapes", "replaced_units", "scaled_peak"]
+__all__ = ["LoopChecks", "OutputWatch", "PlanGuard", "call_shapes", "replaced_units",
+           "scaled_peak"]
 
 Shape = tuple[int, ...]
 
@@ -128,14 +160,18 @@ class PlanGuard:
     the copy's units).
     """
 
+    # A guard pickled by a remat without the loop checks has none.
+    loop_checks: LoopChecks | None = None
+
     def __init__(self, plan: Plan, modules: list[nn.Module], positional: tuple[str, ...],
-                 strict_shapes: bool) -> None:
+                 strict_shapes: bool, loop_checks: LoopChecks | None = None) -> None:
         self.plan = plan
         self.modules = modules
         self.positional = positional
         self.strict_shapes = strict_shapes
         self.recorded = dict(plan.target.input_shapes or ())
         self.warned: set[tuple[tuple[str, Shape], ...]] = set()
+        self.loop_checks = loop_checks
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and model.training):
@@ -143,6 +179,8 @@ class PlanGuard:
         self.check_units(model)
         if self.recorded:
             self.check_shapes(call_shapes(args, kwargs, self.positional))
+        if self.loop_checks is not None:
+            self.loop_checks.before_forward(model)
 
     def check_units(self, model: nn.Module) -> None:
         replaced = replaced_units(model, self.plan.unit_names, self.modules)
@@ -197,3 +235,266 @@ class PlanGuard:
         self.warned.add(key)
         warnings.warn(message + "; apply_plan(..., strict_shapes=True) makes this an error",
                       RematWarning, stacklevel=3)
+
+
+# --------------------------------------------------------------------------- the loop
+def _param_slot(modules: list[nn.Module], model: nn.Module,
+                wanted: Callable[[nn.Parameter], bool]) -> tuple[nn.Module, str] | None:
+    """``(owning module, name)`` of the first parameter of the units (else of the model)
+    that ``wanted(parameter)`` accepts. Read back through the owner at each check, so a
+    parameter replaced by a conversion (``swap_tensors``) is still the one read."""
+    for root in (*modules, model):
+        for owner in root.modules():
+            for name, p in owner._parameters.items():
+                if p is not None and wanted(p):
+                    return owner, name
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s storage (its elements' for a tensor without one: a DTensor)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def _unit_containers(model: nn.Module, names: tuple[str, ...]) -> tuple[tuple[str, nn.Module,
+                                                                              int], ...]:
+    """``(name, module, number of children)`` of each module that holds units directly
+    (``blocks`` for ``blocks.0``...; ``""``, the model, for an ``nn.Sequential``'s own)."""
+    found: dict[str, tuple[str, nn.Module, int]] = {}
+    for name in names:
+        parent = name.rpartition(".")[0]
+        if parent in found:
+            continue
+        try:
+            module = model.get_submodule(parent)
+        except AttributeError:
+            continue
+        found[parent] = (parent, module, len(module._modules))
+    return tuple(found.values())
+
+
+class LoopChecks:
+    """The checks that the loop and the model are those the plan was made for (see the
+    module docstring). Built by ``apply_plan``; a plain class, so planned models pickle."""
+
+    def __init__(self, plan: Plan, modules: list[nn.Module], model: nn.Module, *,
+                 strict: bool) -> None:
+        self.plan = plan
+        self.strict = strict
+        self.loop = plan.target.loop
+        self.warned: set[str] = set()
+        first = _param_slot(modules, model, lambda p: True)
+        device: str | None = (first[0]._parameters[first[1]].device.type if first is not None
+                              else "cpu")
+        try:
+            torch.is_autocast_enabled(device)
+        except RuntimeError:  # a device autocast does not know (meta): nothing to check
+            device = None
+        self.device_type = device
+        loop = self.loop
+        # Gradients: the loop says none exists when a forward starts.
+        self.grad_slot = None
+        if loop is not None and not loop.grads_alive_at_start:
+            self.grad_slot = _param_slot(modules, model, lambda p: p.requires_grad)
+        self.autocast = None if loop is None or loop.autocast is None else getattr(
+            torch, loop.autocast)
+        # The dtype the units' parameters were planned in: checked against their
+        # signatures at apply time, so it is the planned one.
+        self.dtype_slot = first if plan.target.unit_signatures is not None else None
+        self.planned_dtype = (None if first is None
+                              else first[0]._parameters[first[1]].dtype)
+        self.containers = _unit_containers(model, plan.unit_names)
+        self.watch_output = loop is not None and not loop.keep_output
+
+    # -- before each training forward --------------------------------------------------
+    def before_forward(self, model: nn.Module) -> None:
+        """The cheap reads: one ``.grad``, the autocast state, one dtype, a few lengths.
+        A mismatch found is reported once (:meth:`said`): a loop that accumulates does so
+        at every step, and its figure costs a pass over every gradient."""
+        if self.loop is not None:
+            slot = self.grad_slot
+            if slot is not None:
+                p = slot[0]._parameters.get(slot[1])
+                if p is not None and p.grad is not None and not self.said("grads"):
+                    self.grads_alive(model)
+            device = self.device_type
+            if device is not None:
+                on = torch.is_autocast_enabled(device)
+                if (on != (self.autocast is not None) or (
+                        on and torch.get_autocast_dtype(device) != self.autocast)) \
+                        and not self.said("autocast"):
+                    self.autocast_differs(on)
+        slot = self.dtype_slot
+        if slot is not None:
+            p = slot[0]._parameters.get(slot[1])
+            if p is not None and p.dtype != self.planned_dtype and not self.said("dtype"):
+                self.dtype_differs(p.dtype)
+        for name, module, children in self.containers:
+            if len(module._modules) > children and not self.said("added"):
+                self.module_added(name, module, children)
+
+    # -- the mismatches ------------------------------------------------------------------
+    def said(self, kind: str) -> bool:
+        """Whether this kind of mismatch was warned of already (never, with ``strict``)."""
+        return not self.strict and kind in self.warned
+
+    def report(self, kind: str, message: str) -> None:
+        """Raise (``strict``) or warn once per kind of mismatch."""
+        if self.strict:
+            raise PlanMismatchError(message)
+        if kind in self.warned:
+            return
+        self.warned.add(kind)
+        warnings.warn(message + "; apply_plan(..., strict=True) makes this an error",
+                      RematWarning, stacklevel=4)
+
+    def with_extra(self, extra: int, what: str) -> str:
+        """``": up to 3.0 MiB the plan did not count (...), so the step can peak at about
+        12.5 MiB against the 9.5 MiB predicted, +29% against the budget of 9.7 MiB"``."""
+        text = f": up to {format_bytes(extra)} the plan did not count ({what})"
+        peak = self.plan.record.predicted_peak_bytes
+        return text + ("" if peak is None else ", so the step can peak at about "
+                       + self.peak_figure(peak + extra))
+
+    def peak_figure(self, estimate: int) -> str:
+        """``"12.5 MiB against the 9.5 MiB predicted, +29% against the budget of 9.7 MiB"``."""
+        text = (f"{format_bytes(estimate)} against the "
+                f"{format_bytes(self.plan.record.predicted_peak_bytes or 0)} predicted")
+        budget = self.plan.budget_bytes
+        if budget:
+            text += (f", {100 * (estimate / budget - 1):+.0f}% against the budget of "
+                     f"{format_bytes(budget)}")
+        return text
+
+    def grads_alive(self, model: nn.Module) -> None:
+        loop = self.loop
+        assert loop is not None
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        nbytes = sum(_nbytes(g) for g in grads)
+        # Zeroed in place or accumulated; a sharded gradient (DTensor) is not looked into.
+        zeroed = all(type(g) is torch.Tensor and not bool(g.any()) for g in grads)
+        if zeroed:
+            cause = "the loop zeroes them in place (zero_grad(set_to_none=False))"
+            fix = loop_code(loop, set_to_none=False)
+        else:
+            cause = "the loop accumulates them over micro-batches, or does not clear them"
+            fix = loop_code(loop, accumulation_steps="N")
+        self.report("grads", (
+            f"remat: a training forward started with {len(grads)} parameter gradients alive, "
+            f"and the plan was solved for a loop that clears them before each forward "
+            f"({loop_code(loop)}): {cause}"
+            f"{self.with_extra(nbytes, 'the gradients, alive through the forward pass')}. "
+            f"Solve again for your loop: remat.solve(..., loop={fix})"
+            + (" with N micro-batches per optimizer step" if not zeroed else "")
+            + ", or zero the gradients with zero_grad(set_to_none=True) before each forward"))
+
+    def autocast_differs(self, on: bool) -> None:
+        loop = self.loop
+        device = self.device_type
+        assert loop is not None and device is not None
+        now = (f"under torch.autocast({device!r}, dtype={torch.get_autocast_dtype(device)})"
+               if on else "without autocast")
+        planned = (f"torch.autocast with {loop.autocast}" if loop.autocast
+                   else "no autocast")
+        dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.") if on else None
+        self.report("autocast", (
+            f"remat: the planned model runs its training forward {now}, and the plan was "
+            f"solved for a loop with {planned} ({loop_code(loop)}): every activation has another "
+            "size than the plan counted, so its figures do not hold. Solve again for the loop "
+            f"you run: remat.solve(..., loop={loop_code(loop, autocast=dtype)}), or run "
+            "the forward as the plan's loop says"))
+
+    def dtype_differs(self, now: torch.dtype) -> None:
+        planned = self.planned_dtype
+        assert planned is not None
+        ratio = now.itemsize / planned.itemsize
+        peak = self.plan.record.predicted_peak_bytes
+        figure = ("" if peak is None else
+                  f": scaled by x{ratio:.2f}, the predicted peak is about "
+                  + self.peak_figure(int(peak * ratio)))
+        self.report("dtype", (
+            f"remat: the planned model's parameters are {now} now, and the plan was made for "
+            f"{planned} ones (the model was converted after apply_plan){figure}. Convert it "
+            f"back (model.to({planned})), or profile and solve again in {now}"))
+
+    def module_added(self, name: str, module: nn.Module, children: int) -> None:
+        where = f"'{name}'" if name else "the model"
+        self.report("added", (
+            f"remat: {where} holds {len(module._modules)} modules now and held {children} "
+            "when the plan was applied: a module added after apply_plan (a block appended) "
+            "runs unplanned, outside the plan's memory figures. Solve again for this model "
+            "(remat.solve(model, batch, ...)) and apply that plan"))
+
+    def output_kept(self, nbytes: int) -> None:
+        loop = self.loop
+        assert loop is not None
+        self.report("output", (
+            "remat: the model's output is still alive during backward, and the plan was solved "
+            f"for a loop that drops it once the loss is taken ({loop_code(loop)})"
+            f"{self.with_extra(nbytes, 'the output, alive through the backward pass')}. "
+            "Solve again for your loop: remat.solve(..., loop="
+            f"{loop_code(loop, keep_output=True)}), or drop the output before backward "
+            "(loss = loss_fn(model(x), y))"))
+
+
+def _watched_output(output: Any) -> torch.Tensor | None:
+    """The output tensor whose life tells whether the loop keeps the output: the largest
+    one that takes a gradient; ``None`` for a scalar (the loss itself)."""
+    if isinstance(output, torch.Tensor):
+        candidates = [output]
+    else:
+        candidates = output_tensors(output)
+    best = None
+    for t in candidates:
+        if t.requires_grad and t.grad_fn is not None and t.numel() > 1 and (
+                best is None or t.numel() > best.numel()):
+            best = t
+    return best
+
+
+class _OutputHeld:
+    """The pre-hook :class:`OutputWatch` puts on the node that made an output: it runs once
+    the output's gradient is complete, when its consumers (the loss) have run their
+    backward and let go of it, so a live weak reference means the loop holds it."""
+
+    def __init__(self, checks: LoopChecks, ref: weakref.ref[torch.Tensor]) -> None:
+        self.checks = checks
+        self.ref = ref
+
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        t = self.ref()
+        if t is not None:
+            self.checks.output_kept(_nbytes(t))
+
+
+class OutputWatch:
+    """The planned model's forward hook for ``Loop(keep_output=False)`` plans (see the
+    module docstring); registered only for them. Stops watching after it warned.
+
+    A loop that keeps its output does so at every step, so one watched forward in
+    :attr:`EVERY` (after the first :attr:`FIRST`) finds it as surely as all of them, at
+    a fraction of the hook's cost (about 2.6 µs a watched forward, 0.5 µs another, on
+    these CPUs).
+    """
+
+    FIRST, EVERY = 8, 32
+    forwards = 0  # training forwards seen (a class default: guards pickled before it)
+
+    def __init__(self, checks: LoopChecks) -> None:
+        self.checks = checks
+
+    def __call__(self, model: nn.Module, args: Any, output: Any) -> None:
+        checks = self.checks
+        if checks.said("output") or torch.compiler.is_compiling() \
+                or not (torch.is_grad_enabled() and model.training):
+            return
+        self.forwards += 1
+        if self.forwards > self.FIRST and self.forwards % self.EVERY:
+            return
+        t = _watched_output(output)
+        if t is not None:
+            # On the node, not the tensor (Tensor.register_hook costs 1 µs more per forward).
+            t.grad_fn.register_prehook(_OutputHeld(checks, weakref.ref(t)))

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "InputWritten",
+    "NestedBackward",
     "WriteProbe",
     "argument_versions",
     "tensor_arguments",
@@ -70,11 +71,22 @@ def written_arguments(before: Versions, skip: Iterable[torch.Tensor] = ()) -> li
 
 
 class InputWritten(Exception):  # noqa: N818 - control flow between the probe and its caller
-    """Raised by :class:`WriteProbe` before ``op`` writes into watched argument ``label``."""
+    """Raised by :class:`WriteProbe` before ``op`` writes into watched tensor ``label``:
+    an argument, or (``saved``) the output of an op that ``selective`` keeps for backward."""
 
-    def __init__(self, label: str, op: str) -> None:
+    def __init__(self, label: str, op: str, *, saved: bool = False) -> None:
         super().__init__(f"{op} writes into {label}")
         self.label = label
+        self.op = op
+        self.saved = saved
+
+
+class NestedBackward(Exception):  # noqa: N818 - control flow between the probe and its caller
+    """Raised by :class:`WriteProbe` (``stop_nested``) when the forward it watches runs a
+    backward pass of its own (``torch.autograd.grad`` inside the forward), at ``op``."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__(f"a backward pass inside the forward ({op})")
         self.op = op
 
 
@@ -87,11 +99,32 @@ def _storage_key(t: torch.Tensor) -> int | None:
 
 class WriteProbe(TorchDispatchMode):
     """Raises :class:`InputWritten` before any op writes into a watched tensor's storage
-    (the tensor itself or a view of it: ``add_``, ``copy_``, ``out=``...)."""
+    (the tensor itself or a view of it: ``add_``, ``copy_``, ``out=``...).
 
-    def __init__(self, watched: Iterable[tuple[str, torch.Tensor]]) -> None:
+    With ``stop_nested`` it raises :class:`NestedBackward` at the first op of a backward
+    pass the forward runs itself (``torch.autograd.grad`` inside it): that backward
+    recomputes the region it is in, which uses up ``selective``'s cache of saved tensors
+    before the real backward needs it (torch then fails there).
+
+    With ``saved_ops`` (``selective``'s :data:`~remat.execute.options.SELECTIVE_SAVE_OPS`),
+    the outputs of those ops are watched too from when they are made: ``selective``
+    keeps them for backward, and torch refuses one written since ("Tensor cached during
+    selective activation checkpoint has been mutated"), in backward, where it is too
+    late to say which unit did it (an ``nn.ReLU(inplace=True)`` after a Linear).
+    """
+
+    def __init__(self, watched: Iterable[tuple[str, torch.Tensor]], *,
+                 saved_ops: frozenset[Any] = frozenset(), stop_nested: bool = False) -> None:
         super().__init__()
         self.watched: dict[int, str] = {}
+        self.saved_ops = saved_ops
+        # With ``stop_nested``: the backward pass the forward runs in (none: -1); an op of
+        # another one is a backward the forward runs itself (NestedBackward).
+        self.task = torch._C._current_graph_task_id() if stop_nested else None
+        self.saved: set[int] = set()
+        # The watched outputs, held so that their storages' keys stay theirs (selective
+        # holds them until backward anyway: no extra memory).
+        self.held: list[torch.Tensor] = []
         for label, t in watched:
             key = _storage_key(t)
             if key is not None:
@@ -100,6 +133,8 @@ class WriteProbe(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.task is not None and torch._C._current_graph_task_id() != self.task:
+            raise NestedBackward(str(func))
         for k, arg in enumerate(func._schema.arguments):
             info = arg.alias_info
             if info is None or not info.is_write:
@@ -107,7 +142,19 @@ class WriteProbe(TorchDispatchMode):
             value = args[k] if k < len(args) else kwargs.get(arg.name)
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor):
-                    label = self.watched.get(_storage_key(t))  # type: ignore[arg-type]
+                    key = _storage_key(t)
+                    label = self.watched.get(key)  # type: ignore[arg-type]
                     if label is not None:
-                        raise InputWritten(label, str(func))
-        return func(*args, **kwargs)
+                        raise InputWritten(label, str(func), saved=key in self.saved)
+        out = func(*args, **kwargs)
+        if self.saved_ops and func.overloadpacket in self.saved_ops:
+            self._watch_output(str(func.overloadpacket), out)
+        return out
+
+    def _watch_output(self, op: str, out: Any) -> None:
+        for t in tree_flatten(out)[0]:
+            key = _storage_key(t) if isinstance(t, torch.Tensor) else None
+            if key is not None and key not in self.watched:
+                self.watched[key] = f"the output of {op}, which selective keeps for backward"
+                self.saved.add(key)
+                self.held.append(t)

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 
 from remat.core.plan import Plan, PlanRecord, PlanTarget, Status
-from remat.core.profile import OutsideCost, Profile
+from remat.core.profile import UNIT_TYPE_COUNTS, OutsideCost, Profile
 from remat.solver.resolve import no_checkpoint_peak_bytes
 from remat.solver.simulate import simulate
 
@@ -55,6 +55,7 @@ def stamp_plan(
         device=profile.device.split(":")[0],
         loop=profile.loop,
         input_shapes=tuple(profile.input_shapes.items()),
+        unit_type_counts=_type_counts(profile),
     )
     return plan.with_(budget_bytes=budget, target=target, record=record)
 
@@ -100,6 +101,14 @@ def _signatures(profile: Profile) -> tuple[str, ...] | None:
     """The units' structure signatures, when the profile recorded every one."""
     signatures = tuple(u.param_signature for u in profile.units)
     return None if any(s is None for s in signatures) else signatures  # type: ignore[return-value]
+
+
+def _type_counts(profile: Profile) -> tuple[tuple[str, int], ...] | None:
+    """How many modules of each unit class the profiled model had, when recorded."""
+    counts = profile.meta.get(UNIT_TYPE_COUNTS)
+    if not isinstance(counts, dict):
+        return None
+    return tuple((str(name), int(n)) for name, n in sorted(counts.items()))
 
 
 def keep_all_when_it_fits(

@@ -24,10 +24,14 @@ from remat.cli import main
 from remat.core.errors import (
     ArgumentError,
     BudgetError,
+    LoopError,
     ParameterError,
+    PlanMismatchError,
+    ProfileError,
     RematError,
     UnknownParameterError,
 )
+from remat.core.plan import Plan, PlanTarget
 from remat.models import build
 from remat.plot import PlotError
 from remat.solver.solve import UnknownMethodError
@@ -52,6 +56,23 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _generator() -> Any:
     yield BATCH
+
+
+META = build("mlp", size="tiny", seed=0).model.to("meta")  # as built under torch.device("meta")
+UNITS = [u.name for u in PROFILE.units]
+
+
+def _on_device(device: str) -> Plan:
+    """A plan whose target device is ``device`` (an edited plan file)."""
+    return Plan.checkpoint_all(UNITS, target=PlanTarget(device=device))
+
+
+def _in_autocast(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` run inside ``torch.autocast("cpu", dtype=torch.bfloat16)``."""
+    def run() -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return call()
+    return run
 
 
 CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
@@ -103,6 +124,37 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      "torch.nn.Module"),
     ("estimate bad budget", lambda: remat.estimate(PROFILE, memory_budget="8 gigs"),
      BudgetError, "unknown unit"),
+    ("activation_budget of a string", lambda: remat.api.activation_budget(PROFILE, "0.5"),
+     ParameterError, "needs fraction, a number within [0, 1]"),
+    ("activation_budget of a percentage", lambda: remat.api.activation_budget(PROFILE, "50%"),
+     ParameterError, "pass 0.5"),
+    ("activation_budget of a model", lambda: remat.api.activation_budget(MODEL, 0.5),
+     ArgumentError, "needs a remat Profile"),
+    ("remove_plan of a string", lambda: remat.remove_plan("not a model"), ArgumentError,
+     "remove_plan() needs model, a torch.nn.Module"),
+    ("a plan on device gpu0", lambda: remat.apply_plan(MODEL, _on_device("gpu0")),
+     PlanMismatchError, "'gpu0' is not a device torch knows"),
+    ("a plan on device xyz", lambda: remat.apply_plan(MODEL, _on_device("xyz")),
+     PlanMismatchError, "target 'device'"),
+    ("estimate a meta model", lambda: remat.estimate(META, BATCH, loss_fn=LOSS), ArgumentError,
+     "model.to_empty(device='cpu')"),
+    ("profile a meta model", lambda: remat.profile(META, BATCH, loss_fn=LOSS), ArgumentError,
+     "on the 'meta' device"),
+    ("solve a meta model", lambda: remat.solve(META, BATCH, "1GB", loss_fn=LOSS), ArgumentError,
+     "on the 'meta' device"),
+    ("verify steps", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=LOSS, verify_steps=0),
+     ParameterError, "verify_steps"),
+    ("solve in autocast, another loop", _in_autocast(lambda: remat.solve(
+        MODEL, BATCH, "1GB", loss_fn=LOSS, loop=remat.Loop())), LoopError,
+     "loop=remat.Loop() says the forward runs without autocast"),
+    ("profile in autocast, another autocast", _in_autocast(lambda: remat.profile(
+        MODEL, BATCH, loss_fn=LOSS, loop=remat.Loop(autocast="float16"))), LoopError,
+     "Pass loop=remat.Loop(autocast='bfloat16')"),
+    ("pareto in autocast, another loop", _in_autocast(lambda: remat.pareto(
+        MODEL, BATCH, loss_fn=LOSS, loop=remat.Loop(accumulation_steps=2))), LoopError,
+     "loop=remat.Loop(accumulation_steps=2, autocast='bfloat16')"),
+    ("estimate in autocast, another loop", _in_autocast(lambda: remat.estimate(
+        MODEL, BATCH, loss_fn=LOSS, loop=remat.Loop())), LoopError, "estimate() runs inside"),
 ]
 
 
@@ -131,6 +183,24 @@ def test_the_users_own_exceptions_pass_through() -> None:
         remat.profile(MODEL, BATCH, loss_fn=bad_loss)
     with pytest.raises(KeyError, match="the user's model"):
         remat.solve(Broken(), torch.randn(2, 4), "1GB", loss_fn=lambda o, b: o.sum())
+
+
+def test_a_complex_loss_is_named() -> None:
+    def complex_loss(output: Any, batch: Any) -> torch.Tensor:
+        return output.square().mean() * (1 + 1j)
+
+    for call in (remat.profile, remat.measure):
+        with pytest.raises(ProfileError, match="must be a real scalar tensor, got a complex64"):
+            call(MODEL, BATCH, loss_fn=complex_loss)
+
+
+def test_the_user_autocast_is_left_as_it_was_after_a_refusal() -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(LoopError):
+            remat.solve(MODEL, BATCH, "1GB", loss_fn=LOSS, loop=remat.Loop())
+        assert torch.is_autocast_enabled("cpu")
+        assert MODEL(BATCH).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_callback_budget_is_checked_when_made() -> None:
@@ -174,6 +244,12 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
                       "--loss", "hinge", "--out", "{out}"], "valid are cross_entropy, mse"),
     ("accumulation 0", ["estimate", "--model", "mlp", "--size", "tiny",
                         "--accumulation-steps", "0"], "accumulation_steps"),
+    ("a model without its module", ["solve", "--model", ":make", "--budget", "1GB"],
+     "--model ':make': name both the module and the function"),
+    ("a model without its function", ["estimate", "--model", "os:"], "name both"),
+    ("a model that is not a function", ["estimate", "--model", "os:sep"], "not a function"),
+    ("a loss without names", ["solve", "--model", "mlp", "--size", "tiny", "--loss", ":",
+                              "--budget", "1GB"], "--loss ':': name both"),
 ]
 
 

@@ -255,3 +255,85 @@ def test_plans_that_stay_over_give_up_with_an_error() -> None:
     with pytest.raises(verify.BudgetNotMetError, match="all measured above it"):
         verify.verified(plan, budget, lambda b: remat.solve(profile, memory_budget=b),
                         lambda _p: Over(), rounds=2)
+
+
+# --------------------------------------------------------------------------- over the steps
+class LateBranch(torch.nn.Module):
+    """Six blocks, and from its ``turn_on``-th training forward on a side branch: memory
+    that changes after the first steps (a curriculum, an auxiliary loss switched on)."""
+
+    def __init__(self, width: int = 32, turn_on: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        nn = torch.nn
+        self.blocks = nn.Sequential(*[nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width), nn.Tanh())
+            for _ in range(6)])
+        self.side = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+        self.calls, self.turn_on = 0, turn_on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+        h = self.blocks(x)
+        return h + self.side(h) if self.calls > self.turn_on else h
+
+
+def _square(out: torch.Tensor, batch: object = None) -> torch.Tensor:
+    return out.square().mean()
+
+
+def test_verify_steps_catches_memory_that_grows_after_the_first_steps() -> None:
+    model, x = LateBranch(), torch.randn(128, 32, generator=torch.Generator().manual_seed(0))
+    units = [f"blocks.{i}" for i in range(6)]
+
+    def over_twelve_steps(plan: remat.Plan) -> int:
+        remat.apply_plan(model, plan)
+        try:
+            return remat.measure(model, x, loss_fn=_square, steps=12, repeats=0).worst_peak_bytes
+        finally:
+            remat.remove_plan(model)
+
+    one = remat.solve(model, x, "70%", loss_fn=_square, units=units)
+    assert model.calls == 0  # verification leaves the model as it was
+    assert one.verification.measured_peak_bytes <= one.budget_bytes
+    assert over_twelve_steps(one) > one.budget_bytes  # the branch: one step did not see it
+    twelve = remat.solve(model, x, "70%", loss_fn=_square, units=units, verify_steps=12)
+    assert twelve.budget_bytes == one.budget_bytes
+    assert twelve.verification.measured_peak_bytes <= twelve.budget_bytes
+    assert over_twelve_steps(twelve) <= twelve.budget_bytes
+
+
+def test_measure_steps_keeps_one_step_as_it_was() -> None:
+    model, x = LateBranch(turn_on=10**9), torch.randn(64, 32)
+    one = remat.measure(model, x, loss_fn=_square, repeats=0)
+    assert remat.measure(model, x, loss_fn=_square, repeats=0, steps=1) == one
+    several = remat.measure(model, x, loss_fn=_square, repeats=0, steps=3)
+    assert several.worst_peak_bytes == one.worst_peak_bytes  # nothing changes over the steps
+
+
+# --------------------------------------------------------------------------- ambient autocast
+def _blocks() -> torch.nn.Module:
+    return LateBranch(turn_on=10**9).blocks
+
+
+def test_planning_inside_autocast_plans_for_that_loop(caplog: pytest.LogCaptureFixture) -> None:
+    model, x = _blocks(), torch.randn(128, 32)
+    bf16 = remat.Loop(autocast="bfloat16")
+    declared = remat.profile(model, x, loss_fn=_square, loop=bf16, repeats=1)
+    with caplog.at_level("INFO", logger="remat"), torch.autocast("cpu", dtype=torch.bfloat16):
+        around = remat.profile(model, x, loss_fn=_square, repeats=1)
+        plan = remat.solve(model, x, "50%", loss_fn=_square)
+        estimate = remat.estimate(model, x, loss_fn=_square)
+        frontier = remat.pareto(model, x, loss_fn=_square, points=3)
+        # The user's autocast is as it was, and still casts.
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert model(x).dtype == torch.bfloat16
+    said = [r.getMessage() for r in caplog.records if "planning for loop=" in r.getMessage()]
+    assert len(said) == 4 and "remat.Loop(autocast='bfloat16')" in said[0]
+    assert around.loop == bf16 and plan.target.loop == bf16 and estimate.loop == bf16
+    assert around.measured_peak_bytes == declared.measured_peak_bytes
+    assert plan.verification.measured_peak_bytes <= plan.budget_bytes
+    assert len(frontier) > 0
+    assert not torch.is_autocast_enabled("cpu")

@@ -42,6 +42,7 @@ __all__ = [
     "check_loop",
     "check_loss_fn",
     "check_model",
+    "check_not_meta",
     "check_optimizer",
     "check_plan",
     "check_profile_args",
@@ -101,8 +102,28 @@ def check_model(model: Any, where: str = "profile()") -> None:
     if isinstance(model, Profile):
         raise ArgumentError(f"{where} needs the model, got a Profile; a profile is what "
                             "remat.profile() returns, pass it to remat.solve() or remat.pareto()")
+    call = f"remat.{where.removesuffix('()')}(model, ...)" if where.endswith("()") else where
     raise ArgumentError(f"{where} needs model, a torch.nn.Module, got {_kind(model)}; pass "
-                        "the model you train (e.g. remat.profile(model, batch))")
+                        f"the model you train ({call})")
+
+
+def check_not_meta(model: Any, where: str = "profile()") -> None:
+    """``model``'s parameters and buffers must hold data: none may be on the ``meta`` device.
+
+    A model built under ``torch.device("meta")`` (or with ``init_empty_weights``) has
+    shapes but no storage, so a step of it allocates almost nothing: profiled, it would
+    count almost no activation memory and "fit" any budget. Read duck-typed (``.device.type``),
+    so this floor needs no torch.
+    """
+    for tensors in (model.parameters(), model.buffers()):
+        for t in tensors:
+            if getattr(getattr(t, "device", None), "type", None) == "meta":
+                raise ArgumentError(
+                    f"{where}: the model's parameters are on the 'meta' device (built under "
+                    "torch.device('meta') or with init_empty_weights): they hold no data, so "
+                    "a training step cannot be run or measured. Materialise the model first: "
+                    "model.to_empty(device='cpu') (or 'cuda'), then initialise or load its "
+                    "weights (model.load_state_dict(...)); or build it on a real device")
 
 
 def check_batch(batch: Any, where: str = "profile()") -> None:
@@ -185,6 +206,7 @@ def check_profile_args(
 ) -> None:
     """Every check :func:`remat.profile` needs before it runs the model."""
     check_model(model, where)
+    check_not_meta(model, where)
     check_batch(sample_batch, where)
     check_loss_fn(loss_fn, where)
     check_optimizer(optimizer, where)

@@ -25,12 +25,12 @@ output once the loss is taken: :meth:`Loop.hf_trainer` builds its loop from its
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from remat.core.errors import LoopError
 
-__all__ = ["AUTOCAST_DTYPES", "Loop", "loop_or_default"]
+__all__ = ["AUTOCAST_DTYPES", "Loop", "loop_code", "loop_or_default"]
 
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 _AUTOCAST_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -134,3 +134,19 @@ def loop_or_default(loop: Loop | None) -> Loop:
     """``loop``, or the default :class:`Loop` (a plain loop that keeps the output) for
     ``None``: the one place the default is made, for every entry point that takes a loop."""
     return Loop() if loop is None else loop
+
+
+def loop_code(loop: Loop, **changes: Any) -> str:
+    """``loop`` with ``changes``, as the code that makes it, for messages:
+    ``remat.Loop(accumulation_steps=N, keep_output=False)`` (the fields that differ from
+    the default). A string given for a field other than ``autocast`` is written as it is,
+    a placeholder for the user to fill in (``accumulation_steps="N"``)."""
+    default = Loop()
+    parts: dict[str, str] = {}
+    for f in fields(Loop):
+        value = changes.get(f.name, getattr(loop, f.name))
+        if isinstance(value, str) and f.name != "autocast":
+            parts[f.name] = value
+        elif value != getattr(default, f.name):
+            parts[f.name] = repr(value)
+    return "remat.Loop(" + ", ".join(f"{k}={v}" for k, v in parts.items()) + ")"

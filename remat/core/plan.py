@@ -65,6 +65,7 @@ class Status:
 
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
+Counts = tuple[tuple[str, int], ...]
 
 
 def _set(obj: object, name: str, value: object) -> None:
@@ -109,6 +110,10 @@ class PlanTarget:
             as ``(argument name, shape)`` pairs (``"arg0"``... for positional
             arguments); JSON writes them as an object. The budget holds for inputs up
             to these shapes; the runtime watches for larger ones.
+        unit_type_counts: how many modules of each unit class the profiled model had
+            (``(class name, count)`` pairs; JSON writes them as an object). A model
+            with more of them is deeper than the one profiled: its extra blocks would
+            run unplanned, outside the plan's figures, so ``apply_plan`` refuses it.
 
     ``None`` in any field: not known, not checked (a manual plan).
     """
@@ -118,6 +123,7 @@ class PlanTarget:
     device: str | None = None
     loop: Loop | None = None
     input_shapes: Shapes | None = None
+    unit_type_counts: Counts | None = None
 
     def __post_init__(self) -> None:
         for name in ("unit_types", "unit_signatures"):
@@ -131,12 +137,16 @@ class PlanTarget:
                             f"{type(self.loop).__name__}")
         if self.input_shapes is not None:
             _set(self, "input_shapes", _checked_shapes(self.input_shapes))
+        if self.unit_type_counts is not None:
+            _set(self, "unit_type_counts", _checked_counts(self.unit_type_counts))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["loop"] = None if self.loop is None else self.loop.to_dict()
         if self.input_shapes is not None:
             d["input_shapes"] = {name: list(shape) for name, shape in self.input_shapes}
+        if self.unit_type_counts is not None:
+            d["unit_type_counts"] = dict(self.unit_type_counts)
         return d
 
     @classmethod
@@ -500,18 +510,32 @@ def _checked_segments(segments: object) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _checked_shapes(shapes: object) -> Shapes:
-    """``{name: shape}`` or ``((name, shape), ...)`` as the latter, checked."""
-    where = "Plan.target.input_shapes"
-    pairs = shapes.items() if isinstance(shapes, Mapping) else checked_list(shapes, where,
-                                                                            PlanError)
+def _checked_pairs(value: object, where: str, meaning: str,
+                   check: Callable[[object, str], Any]) -> tuple[tuple[str, Any], ...]:
+    """``{name: value}`` or ``((name, value), ...)`` as the latter, each value checked."""
+    pairs = value.items() if isinstance(value, Mapping) else checked_list(value, where,
+                                                                          PlanError)
     out = []
     for pair in pairs:
         items = checked_list(pair, where, PlanError)
         if len(items) != 2:
-            raise PlanError(f"{where} must map argument names to shapes, got {pair!r}")
+            raise PlanError(f"{where} must map {meaning}, got {pair!r}")
         name = checked_str(items[0], f"a {where} name", PlanError)
-        dims = checked_list(items[1], f"{where}[{name!r}]", PlanError)
-        out.append((name, tuple(checked_bytes(d, f"{where}[{name!r}]", PlanError, hi=None,
-                                              unit="elements") for d in dims)))
+        out.append((name, check(items[1], f"{where}[{name!r}]")))
     return tuple(out)
+
+
+def _checked_shapes(shapes: object) -> Shapes:
+    """``{name: shape}`` or ``((name, shape), ...)`` as the latter, checked."""
+    def shape(dims: object, where: str) -> tuple[int, ...]:
+        return tuple(checked_bytes(d, where, PlanError, hi=None, unit="elements")
+                     for d in checked_list(dims, where, PlanError))
+
+    return _checked_pairs(shapes, "Plan.target.input_shapes", "argument names to shapes", shape)
+
+
+def _checked_counts(counts: object) -> Counts:
+    """``{class name: count}`` or ``((name, count), ...)`` as the latter, checked."""
+    return _checked_pairs(counts, "Plan.target.unit_type_counts", "unit class names to counts",
+                          lambda n, where: checked_bytes(n, where, PlanError, hi=None,
+                                                         unit="modules"))

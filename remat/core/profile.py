@@ -46,6 +46,7 @@ __all__ = [
     "MAX_BYTES",
     "MAX_MS",
     "SCHEMA_VERSION",
+    "UNIT_TYPE_COUNTS",
     "OptionCost",
     "OutsideCost",
     "Profile",
@@ -56,6 +57,11 @@ __all__ = [
 # 2: the loop, shared tensors, kept output, autocast caches; 3: no measured unplanned peak
 # (the profiler never runs the unplanned step: simulate() predicts it)
 SCHEMA_VERSION = 3
+
+# ``Profile.meta`` key: ``{unit class name: how many modules of that class the model had}``,
+# recorded by ``remat.profile()``; solved plans carry it (``PlanTarget.unit_type_counts``)
+# so that a deeper model than the one profiled is refused.
+UNIT_TYPE_COUNTS = "unit_type_counts"
 
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from remat.core.errors import RematError
+from remat.core.errors import ArgumentError, RematError
 
 __all__ = ["STATE_ATTR", "has_plan", "unwrap"]
 
@@ -21,10 +21,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The model inside ``DistributedDataParallel`` / ``torch.compile`` wrappers.
 
     Raises:
+        ArgumentError: ``model`` is not a module.
         RematError: ``nn.DataParallel``, whose replicas would share the planned forwards.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        raise ArgumentError(f"expected the model, a torch.nn.Module, got a "
+                            f"{type(model).__name__}; pass the model the plan is (or goes) on")
     while True:
         if isinstance(model, nn.DataParallel):
             raise RematError(

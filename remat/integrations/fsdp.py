@@ -30,6 +30,12 @@ that rank's micro-batch) measures activations, which sharding does not change.
   unit's prefetched parameters and, conservatively, the previous unit's (whose
   reshard may still be in flight); these are added to the unit's forward and backward
   peaks under every option;
+* collectives in flight: FSDP2 runs reduce-scatters (and, on gloo, all-gathers)
+  asynchronously, so the unsharded buffers of units other than those above can still
+  be alive at any moment. On two CPU ranks the measured peak of one and the same step
+  varied by up to 2.5 units' parameters from run to run (0.1 to 0.6 MB above the model
+  on a 4-block GPT), so :data:`IN_FLIGHT` units' gathered parameters (the largest
+  unit's) are counted alive from the forward's start to the backward's end;
 * the root module's own parameters (those outside every unit: embeddings, the head)
   are all-gathered from the root's forward to the end of the backward (FSDP2 keeps the
   root unsharded after its forward), so they are held from the prefix's forward to
@@ -60,6 +66,9 @@ from remat.core.profile import Profile
 __all__ = ["broadcast_plan", "measure_rank_step", "per_rank_profile"]
 
 log = logging.getLogger("remat")
+
+
+IN_FLIGHT = 3  # units' unsharded buffers counted in flight (see the module docstring)
 
 
 def _shard(nbytes: int, world_size: int) -> int:
@@ -96,6 +105,7 @@ def per_rank_profile(
     # A unit's parameter bytes are its gradient bytes (the profile measures those).
     gathered = [u.param_grad_bytes if u.name in own else 0 for u in profile.units]
     root_params = profile.param_bytes - sum(gathered)
+    in_flight = IN_FLIGHT * max(gathered, default=0)
     units = []
     for i, unit in enumerate(profile.units):
         # Backward runs from the last unit down: the unit before this one is prefetched,
@@ -116,8 +126,8 @@ def per_rank_profile(
     root_grads = prefix.param_grad_bytes + suffix.param_grad_bytes
     prefix = dataclasses.replace(
         prefix,
-        held_bytes=prefix.held_bytes + root_params,
-        fwd_peak_bytes=prefix.fwd_peak_bytes + root_params,
+        held_bytes=prefix.held_bytes + root_params + in_flight,
+        fwd_peak_bytes=prefix.fwd_peak_bytes + root_params + in_flight,
         bwd_peak_bytes=prefix.bwd_peak_bytes + root_grads,
         param_grad_bytes=_shard(prefix.param_grad_bytes, world_size),
     )

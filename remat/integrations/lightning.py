@@ -60,10 +60,16 @@ _MIXED = {"bf16-mixed": ("bfloat16", False), "16-mixed": ("float16", True),
 def lightning_loop(trainer: Any) -> Loop:
     """The loop of a Lightning ``Trainer`` with automatic optimization: it drops the
     step's output once the loss is taken, accumulates ``accumulate_grad_batches``
-    micro-batches, and autocasts under a ``"*-mixed"`` precision."""
+    micro-batches, and autocasts under a ``"*-mixed"`` precision.
+
+    Lightning zeroes the gradients inside its closure *after* ``training_step`` (the
+    forward) and before ``backward``, so the previous step's gradients are alive
+    through every forward; ``set_to_none=False`` (gradients alive through the whole
+    step) is the loop that counts them, a bound (a planned model's guard warned that
+    the plan for ``set_to_none=True`` left them out)."""
     autocast, scaler = _MIXED.get(str(trainer.precision), (None, False))
     return Loop(accumulation_steps=int(trainer.accumulate_grad_batches), keep_output=False,
-                set_to_none=True, autocast=autocast, grad_scaler=scaler)
+                set_to_none=False, autocast=autocast, grad_scaler=scaler)
 
 
 def _default_step(module: Any, batch: Any) -> Any:

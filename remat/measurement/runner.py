@@ -60,7 +60,7 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
 
     Raises:
         LossNotFoundError: no ``loss_fn`` and the output carries no loss.
-        ProfileError: the loss is not a scalar tensor that requires grad.
+        ProfileError: the loss is not a real scalar tensor that requires grad.
     """
     if loss_fn is not None:
         loss = loss_fn(output, batch)
@@ -76,6 +76,12 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ProfileError(f"the loss must be a scalar tensor, got {shape}; {_LOSS_HELP}")
+    if loss.is_complex():
+        raise ProfileError(
+            f"the loss must be a real scalar tensor, got a {str(loss.dtype).removeprefix('torch.')}"
+            " one (backward needs a real loss); return a real number from the loss, e.g. "
+            "loss.abs() or loss.real"
+        )
     if not loss.requires_grad:
         raise ProfileError(
             "the loss does not require grad: no trainable parameter contributes to it "

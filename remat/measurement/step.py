@@ -120,11 +120,12 @@ def time_steps(
         state.rng.restore()
         state.restore_buffers()
         clear_grads(state.params)
-        (output, loss), f_ms = watch.time(runner.forward)
-        if not runner.loop.keep_output:
-            del output  # the loop drops it once the loss is taken; keeping it costs memory
+        result, f_ms = watch.time(runner.forward)
+        loss = result[1]
+        del result  # the output is not held through backward (a planned model's guard would
+        # take that for a loop that keeps it); holding it or not changes no time
         _, b_ms = watch.time(lambda loss=loss: runner.backward(loss))
-        output = loss = None
+        del loss
         _, o_ms = watch.time(runner.optimizer_step) if runner.optimizer is not None else (None, 0.)
         if r >= warmup:
             total.append(f_ms + b_ms + o_ms)
@@ -148,6 +149,14 @@ def _cycles(runner: StepRunner, cycles: int, state: ModelState | None) -> None:
         if state is not None:
             state.rng.restore()
             state.restore_buffers()
+
+
+def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None) -> None:
+    """What an instrument measures: ``steps + 1`` optimizer steps from nothing carried (the
+    first gives the next what the loop carries into it). One step runs as
+    :func:`_cycles` does; several run consecutively, as training runs them (RNG and
+    buffers advance too), so that memory that changes over the steps is seen."""
+    _cycles(runner, steps + 1, state if steps == 1 else None)
 
 
 @contextlib.contextmanager
@@ -174,13 +183,14 @@ def measure_step(
     call: nn.Module | None = None,
     restore: bool = True,
     time_within: int | None = None,
+    steps: int = 1,
 ) -> StepMeasurement:
     """Measure one real training step of ``model`` as it is (with or without a plan applied).
 
     The step is one optimizer step of ``loop`` (default :class:`~remat.core.loop.Loop`:
     a plain loop that keeps the output): its micro-batches, the optimizer step and the
     loop's ``zero_grad``. The warm-up steps come first (they compile a compiled model);
-    then two steps run from nothing carried under both instruments at once, the
+    then ``steps + 1`` steps run from nothing carried under both instruments at once, the
     dispatch-level meter and, with ``allocator``, the allocator's view
     (:mod:`remat.measurement.allocator`), so that the second sees what the first carries
     into it and everything they see was made inside the region (a dispatch meter counts
@@ -210,15 +220,19 @@ def measure_step(
             be snapshotted (FSDP2's sharded parameters): the steps then train it.
         time_within: time the step only when its worst peak is at most this many bytes
             (a search skips timing what does not fit).
+        steps: consecutive optimizer steps each instrument measures, the peak over all of
+            them (after the one that carries into the first); more than 1 catches memory
+            that changes over training (a branch that turns on at step k). They run as
+            training does: RNG and buffers advance from one to the next.
 
     Raises:
         LossNotFoundError: no ``loss_fn`` and the output has no ``.loss``.
     """
     check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
                        where="measure()")
-    if repeats < 0 or warmup < 0 or (repeats and not restore):
-        raise ProfileError(f"need repeats >= 0 and warmup >= 0 (and repeats=0 without restore), "
-                           f"got {repeats=} {warmup=} {restore=}")
+    if repeats < 0 or warmup < 0 or (repeats and not restore) or steps < 1:
+        raise ProfileError(f"need repeats >= 0, warmup >= 0, steps >= 1 (and repeats=0 without "
+                           f"restore), got {repeats=} {warmup=} {steps=} {restore=}")
     loop = loop_or_default(loop)
     device = model_device(model)
     watch = Stopwatch(device)
@@ -239,7 +253,7 @@ def measure_step(
                 timeline.mark()
             if dispatch is not None:
                 stack.enter_context(dispatch)
-            _cycles(runner, 2, state)
+            _measured_cycles(runner, steps, state)
             if timeline is not None:
                 timeline.mark()
         if dispatch is not None:

@@ -29,13 +29,23 @@ def load_model(spec: str, *, size: str = "small", seed: int = 0) -> tuple[Any, A
         ref = build(spec, size=size, seed=seed)
         return ref.model, ref.batch, ref.loss_fn, f"{spec} ({size})"
     module_name, _, fn_name = spec.partition(":")
+    if not module_name.strip() or not fn_name.strip():
+        raise RematError(
+            f"--model {spec!r}: name both the module and the function, module:function "
+            "(e.g. mypackage.models:make_model), where the function returns (model, "
+            "sample_batch)"
+        )
     try:
         factory = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, ValueError) as exc:
         raise RematError(
             f"--model {spec!r}: cannot load {fn_name!r} from module {module_name!r} ({exc}); "
             "give module:function where the function returns (model, sample_batch)"
         ) from exc
+    if not callable(factory):
+        raise RematError(f"--model {spec!r}: {fn_name!r} is a {type(factory).__name__}, not a "
+                         "function; give module:function where the function returns (model, "
+                         "sample_batch)")
     made = factory()
     if hasattr(made, "model") and hasattr(made, "batch"):
         return made.model, made.batch, made.loss_fn, spec

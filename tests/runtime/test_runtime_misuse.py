@@ -116,7 +116,9 @@ def solved() -> Plan:
 
 
 def step(model: nn.Module, x: Tensor, *, seed: int = 0) -> Tensor:
+    """One step of a plain loop (``zero_grad()`` first, as the plans' ``Loop()`` says)."""
     torch.manual_seed(seed)
+    model.zero_grad()
     loss = loss_fn(model(x))
     loss.backward()
     return loss.detach()
@@ -173,7 +175,7 @@ REFUSED = [
     Case("another width, same unit names", lambda p: _planned(p, net(width=2 * WIDTH)),
          PlanMismatchError, "parameters in this model but"),
     Case("another dtype", lambda p: _planned(p, net().double()),
-         PlanMismatchError, "other shapes or dtypes"),
+         PlanMismatchError, "the plan was made for torch.float32 ones"),
     Case("a larger batch, strict",
          lambda p: step(_planned(p, strict_shapes=True), batch(2 * BATCH)),
          PlanMismatchError, "larger than the plan was made for"),
