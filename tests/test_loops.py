@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import remat
+from remat.profile_cache import forget_profiles
 from remat.solver import min_peak_bytes
 from remat.solver.resolve import no_checkpoint_peak_bytes
 
@@ -321,6 +322,7 @@ def test_planning_inside_autocast_plans_for_that_loop(caplog: pytest.LogCaptureF
     model, x = _blocks(), torch.randn(128, 32)
     bf16 = remat.Loop(autocast="bfloat16")
     declared = remat.profile(model, x, loss_fn=_square, loop=bf16, repeats=1)
+    forget_profiles()  # the profile inside the autocast is measured, not the cached one
     with caplog.at_level("INFO", logger="remat"), torch.autocast("cpu", dtype=torch.bfloat16):
         around = remat.profile(model, x, loss_fn=_square, repeats=1)
         plan = remat.solve(model, x, "50%", loss_fn=_square)
@@ -333,7 +335,8 @@ def test_planning_inside_autocast_plans_for_that_loop(caplog: pytest.LogCaptureF
     said = [r.getMessage() for r in caplog.records if "planning for loop=" in r.getMessage()]
     assert len(said) == 4 and "remat.Loop(autocast='bfloat16')" in said[0]
     assert around.loop == bf16 and plan.target.loop == bf16 and estimate.loop == bf16
-    assert around.measured_peak_bytes == declared.measured_peak_bytes
+    assert around is not declared
+    assert no_checkpoint_peak_bytes(around) == no_checkpoint_peak_bytes(declared)
     assert plan.verification.measured_peak_bytes <= plan.budget_bytes
     assert len(frontier) > 0
     assert not torch.is_autocast_enabled("cpu")
