@@ -71,6 +71,7 @@ class UnitCall:
     out_device: torch.device | None = None
     out_requires_grad: bool = False
     calls: int = 0
+    writes_input: bool = False  # a replay found it writes its input in place
 
     @property
     def first_input(self) -> Captured | None:

@@ -27,6 +27,7 @@ Per option, in bytes above the live bytes at each point:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from remat.core.errors import RematError
+from remat.core.option import Option
 from remat.execute.boundary import boundary_output
 from remat.execute.options import forward_with_option
 from remat.measurement.runner import StepRunner
@@ -101,19 +103,43 @@ class UnitTiming:
     total_ms: dict[str, float]
 
 
-def _fresh_input(call: UnitCall) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(x_in, leaf)``: the first input as a new non-leaf storage, and the leaf behind it.
+def _fresh_input(call: UnitCall, *, clone: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(x_in, leaf)``: the first input to replay on, and the leaf that collects its
+    gradient (``None`` when it needs none).
 
-    ``x_in = leaf.clone()`` lives only as long as someone references it (the clone
-    node saves nothing); ``leaf`` collects the input gradient.
+    The replay runs on the live input's own storage (``leaf``, a new leaf on it): a copy
+    would hold one more boundary than the step does, at the very unit whose replay may
+    set the peak of profiling. With ``clone`` it runs on a new storage
+    (``leaf.clone()``, which lives only as long as someone references it): for a unit
+    that writes its input in place (torch refuses that on a leaf), and for an option
+    whose holding of its input only a weak reference can tell (offload).
     """
     first = call.first_input
     if first is None:
         return None, None
     if first.requires_grad:
         leaf = first.fresh()
-        return leaf.clone(), leaf
-    return first.tensor.clone(), None
+        return (leaf.clone() if clone else leaf), leaf
+    return (first.tensor.clone() if clone else first.tensor), None
+
+
+def _writes_its_leaf_input(err: RuntimeError) -> bool:
+    """torch refusing an in-place write into the replay's leaf input."""
+    return "leaf Variable that requires grad" in str(err)
+
+
+def _saved_storages() -> tuple[set[int], Any]:
+    """A set of the storages autograd saves inside the block, and the hooks that fill it
+    (identity: autograd keeps the tensors as it would)."""
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided:
+            saved.add(id(t.untyped_storage()))
+        return t
+
+    return saved, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def _root_grad(y: torch.Tensor) -> torch.Tensor:
@@ -139,15 +165,33 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
     nothing), the backward outside it, as in a training loop; what only the autocast
     region kept alive (its cache of weight casts) is ``forward_cache_bytes``.
     """
+    clone = call.writes_input or option == Option.OFFLOAD.value
+    try:
+        return _measure_option(call, option, runner, clone=clone)
+    except RuntimeError as err:
+        if clone or not _writes_its_leaf_input(err):
+            raise
+        clear_grads(runner.params)
+        call.writes_input = True
+        return _measure_option(call, option, runner, clone=True)
+
+
+def _measure_option(call: UnitCall, option: str, runner: StepRunner, *,
+                    clone: bool) -> OptionFigures:
     module, params, autocast = call.module, runner.params, runner.autocast
     call.rng.restore()
     clear_grads(params)
-    x_in, leaf = _fresh_input(call)
+    x_in, leaf = _fresh_input(call, clone=clone)
     args, kwargs = call.inputs(x_in)
     with TimelineMeter(device_type=runner.device_type, allocator=True) as meter:
         begin = len(meter.marks)
         meter.mark("start")
-        with autocast():
+        # On the live input's storage, whether the unit holds it is what it saved: keep
+        # saves what autograd saves (recorded here); checkpoint and selective hold every
+        # tensor argument for their recomputation. On a copy, a weak reference tells.
+        saved, recording = _saved_storages()
+        with autocast(), (recording if option == Option.KEEP.value and not clone
+                          else contextlib.nullcontext()):
             out = forward_with_option(module, option, module.forward, args, kwargs)
             in_region = meter.live_bytes
         cache_bytes = in_region - meter.live_bytes
@@ -162,8 +206,14 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
         # gradient is not the unit's).
         root_grad = _root_grad(y) if y is not None else None
         y_ref, x_ref = _storage_ref(y), _storage_ref(x_in)
+        x_storage = id(x_in.untyped_storage()) if x_in is not None and not clone else None
         del y, x_in, args, kwargs
-        holds_output, holds_input = _alive(y_ref), _alive(x_ref)
+        holds_output = _alive(y_ref)
+        if clone or x_storage is None:
+            holds_input = _alive(x_ref)
+        else:
+            holds_input = (x_storage in saved if option == Option.KEEP.value
+                           else Option(option).recomputes)
         meter.mark("backward start")
         if seed is not None:
             seed.backward(root_grad)
@@ -303,10 +353,22 @@ class OptionRunFailed(Exception):
 def _timed_replay(call: UnitCall, option: str, runner: StepRunner,
                   watch: Stopwatch) -> tuple[float, float]:
     """One timed replay of ``call`` under ``option``: its forward and backward times."""
+    try:
+        return _timed_run(call, option, runner, watch, clone=call.writes_input)
+    except RuntimeError as err:
+        if call.writes_input or not _writes_its_leaf_input(err):
+            raise
+        clear_grads(runner.params)
+        call.writes_input = True
+        return _timed_run(call, option, runner, watch, clone=True)
+
+
+def _timed_run(call: UnitCall, option: str, runner: StepRunner, watch: Stopwatch, *,
+               clone: bool) -> tuple[float, float]:
     module, autocast = call.module, runner.autocast
     call.rng.restore()
     clear_grads(runner.params)
-    x_in, leaf = _fresh_input(call)
+    x_in, leaf = _fresh_input(call, clone=clone)
     args, kwargs = call.inputs(x_in)
     del x_in
 

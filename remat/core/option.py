@@ -34,6 +34,12 @@ class Option(str, Enum):
         """Whether the option only runs on a CUDA device."""
         return self is Option.OFFLOAD
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether the option recomputes the unit's forward in its backward: a checkpoint
+        region, which holds every tensor argument until then."""
+        return self in (Option.CHECKPOINT, Option.SELECTIVE)
+
     def unavailable_on(self, device_type: str) -> str | None:
         """Why this option cannot run on ``device_type`` (``"cpu"``, ``"cuda"``), or ``None``."""
         if self.needs_cuda and device_type != "cuda":
