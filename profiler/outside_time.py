@@ -50,11 +50,15 @@ def time_outside(
     warmup: int,
     repeats: int,
     tolerance: float = 0.0,
+    optimizer: bool = True,
 ) -> OutsideTimes:
     """Run stub steps of the runner's loop (see the module docstring): with an optimizer
     two metered ones first, then ``warmup`` un-timed and up to ``repeats`` timed ones
-    (fewer once the samples settle within ``tolerance``)."""
-    metered = 2 if runner.optimizer is not None else 0
+    (fewer once the samples settle within ``tolerance``). ``optimizer=False`` leaves
+    the optimizer out (its figures 0): a variant of the outside code (a chunked head)
+    changes the micro-batch, not the optimizer's step."""
+    stepping = optimizer and runner.optimizer is not None
+    metered = 2 if stepping else 0
     fwd: list[float] = []
     bwd: list[float] = []
     opt: list[float] = []
@@ -78,7 +82,7 @@ def time_outside(
                 with MemoryMeter(device_type=runner.device_type) as meter:
                     runner.optimizer_step()
                 peaks.append(meter.peak_bytes)
-            elif runner.optimizer is not None:
+            elif stepping:
                 _, o_ms = watch.time(runner.optimizer_step)
             if r >= metered + warmup:
                 fwd.append(max(f_ms - stub_ms, 0.0))
@@ -88,6 +92,6 @@ def time_outside(
                 if parts_settled(total, fwd, bwd, repeats=repeats, tolerance=tolerance):
                     break
     clear_grads(state.params)
-    state_bytes = optimizer_state_bytes(runner.optimizer)
+    state_bytes = optimizer_state_bytes(runner.optimizer) if stepping else 0
     step_peak = max(peaks[1], peaks[0] - state_bytes) if peaks else 0
     return OutsideTimes(median(fwd), median(bwd), median(opt), state_bytes, step_peak)
