@@ -7,7 +7,7 @@ between its stages. At five budgets from the smallest feasible peak to no
 checkpointing, ``remat.solve`` (which verifies its plan by measuring it) returns a
 plan whose step, measured again with both instruments (the dispatch-level meter
 and the allocator's view), is at or under the budget, and whose predicted peak is
-within 1% of the allocator's view; or, at the very bottom, it says the budget is
+within 1% of the higher of the two; or, at the very bottom, it says the budget is
 infeasible and names a larger smallest budget.
 """
 
@@ -81,8 +81,11 @@ def test_measured_peak_stays_within_the_budget(profiled, fraction: float) -> Non
     finally:
         remat.remove_plan(case.model)
     assert measured.peak_bytes <= budget and measured.allocator_peak_bytes <= budget
-    error = abs(plan.record.predicted_peak_bytes - measured.allocator_peak_bytes)
-    assert error <= PEAK_TOLERANCE * measured.allocator_peak_bytes, (
+    # Against the higher of the two readings (what a budget must hold): on CPU the
+    # profiler behind the allocator's view now and then misses a few allocations of a
+    # step (seen once in a full suite run: 1.3% under the meter, never over it).
+    error = abs(plan.record.predicted_peak_bytes - measured.worst_peak_bytes)
+    assert error <= PEAK_TOLERANCE * measured.worst_peak_bytes, (
         plan.summary(), plan.record.predicted_peak_bytes, measured)
 
 
