@@ -32,7 +32,7 @@ from _common import RESULTS, machine_line, markdown_table, write_result  # noqa:
 import remat  # noqa: E402
 from remat import models  # noqa: E402
 from remat.core.bytesize import mib  # noqa: E402
-from remat.solver import min_peak_bytes  # noqa: E402
+from remat.solver.pareto import min_feasible_peak  # noqa: E402
 from remat.solver.resolve import no_checkpoint_peak_bytes  # noqa: E402
 from remat.verify import measure_plan, verified  # noqa: E402
 
@@ -115,7 +115,7 @@ def rows_for(name: str, repeats: int, make: Callable[[], Case] | None = None
     optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-4) if case.adamw else None
     profile = remat.profile(case.model, case.batch, loss_fn=case.loss_fn, loop=case.loop,
                             optimizer=optimizer, **case.profile_options)
-    lo, hi = min_peak_bytes(profile), no_checkpoint_peak_bytes(profile)
+    lo, hi = min_feasible_peak(profile), no_checkpoint_peak_bytes(profile)
     rows = []
     for fraction in FRACTIONS:
         budget = lo + int(fraction * (hi - lo))
