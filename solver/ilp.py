@@ -247,7 +247,7 @@ def _backward_events(
 ) -> None:
     """Unit i's own backward (when it is not in a segment)::
 
-        A_i + H_i*in_i + held + holds_output*out_i + bwd_peak + D_i <= budget
+        A_i + H_i*in_i + held + holds_output*out_i + bwd_peak + S_i + D_i <= budget
 
     ``D_i``: fixed and prefix bytes plus the gradients alive at that point. As one
     linear constraint per unit: a segment member contributes ``D_i`` only, which
@@ -256,10 +256,11 @@ def _backward_events(
     """
     for i, unit in enumerate(profile.units):
         d = model.bwd_const[i]
+        step = profile.step_in_backward(unit)  # S_i: its parameters stepped in backward
         terms = []
         for o, cost in unit.options.items():
             out = unit.output_bytes if cost.holds_output and not _kept_by_loop(profile, i) else 0
-            rest = cost.held_bytes + out + cost.bwd_peak_bytes + d
+            rest = cost.held_bytes + out + cost.bwd_peak_bytes + step + d
             if not profile.is_chain and (cost.holds_input or unit.input_held_outside):
                 rest += unit.input_bytes
             terms.append(rest * v.opt[i, o])
@@ -302,17 +303,18 @@ def _suffix_events(
 ) -> None:
     """The suffix's forward and backward, on top of everything the units hold."""
     s = profile.suffix
+    s_bwd = s.bwd_peak_bytes + profile.step_in_backward(s)
     a_n = v.held_before[profile.n]
     c_fwd, c_bwd = model.fwd_const[profile.n], model.suffix_bwd_const
     if not profile.is_chain:
         kept = profile.kept_last_output_bytes  # in c_bwd already
         m.add(a_n + c_fwd + kept + s.fwd_peak_bytes <= budget)
-        m.add(a_n + c_bwd + s.held_bytes + s.bwd_peak_bytes <= budget)
+        m.add(a_n + c_bwd + s.held_bytes + s_bwd <= budget)
         return
     out = profile.units[-1].output_bytes
     m.add(a_n + c_fwd + out + s.fwd_peak_bytes <= budget)
     held_out = out if profile.last_output_kept else out * v.held_boundary[profile.n]
-    m.add(a_n + c_bwd + held_out + s.held_bytes + s.bwd_peak_bytes <= budget)
+    m.add(a_n + c_bwd + held_out + s.held_bytes + s_bwd <= budget)
 
 
 def _objective(m: cp_model.CpModel, profile: Profile, v: _Vars) -> None:

@@ -40,6 +40,14 @@ The rules it encodes:
 * Off a chain, a unit's input gradient is consumed by the code before it at once,
   or, with ``input_grad_kept_until = k``, kept alive until unit k's backward is done
   (``-1``: the prefix's).
+* A loop that steps the optimizer in backward (``loop.optimizer_in_backward``)
+  frees every parameter gradient right after the backward phase that made it (its
+  step ran in a hook as it was complete), so none accumulates to the end of the
+  backward pass; a parameter used in two phases (a tied embedding) keeps its summed
+  gradient from the suffix's backward to the prefix's (``extra_grad_in_flight_bytes``).
+  Each phase's backward peaks at its own peak plus what stepping its parameters adds
+  (``step_in_backward_bytes``), and the optimizer step after backward is gone (its
+  peak is 0: ``end_step_peak_bytes``); the optimizer state is resident as before.
 * The step time is the measured step time plus every option's ``extra_ms``, once
   per micro-batch.
 
@@ -131,13 +139,16 @@ class _Replay:
     among them (allocated and freed with :meth:`allocate_grad` / :meth:`free_grad`).
     """
 
-    def __init__(self, fixed_bytes: int, param_grads_at_start: int = 0) -> None:
+    def __init__(self, fixed_bytes: int, param_grads_at_start: int = 0, *,
+                 released: bool = False) -> None:
         self.fixed = fixed_bytes
         self.live = 0
         self.grad = 0
         # Gradients a loop keeps from before (accumulation, zero_grad in place): alive
         # throughout, so backward adds into them instead of allocating them.
         self.param_grads_at_start = param_grads_at_start > 0
+        # Gradients a loop steps and frees in backward: gone after their phase.
+        self.released = released
         self.allocate_grad(param_grads_at_start)
         self.events: list[tuple[str, int]] = []
         self.grad_at_event: list[int] = []
@@ -163,8 +174,9 @@ class _Replay:
         self.grad -= nbytes
 
     def param_grad(self, nbytes: int) -> None:
-        """Parameter gradients a backward phase produces: new bytes, unless alive already."""
-        if not self.param_grads_at_start:
+        """Parameter gradients a backward phase leaves: new bytes, unless alive already or
+        freed with the phase (their optimizer step ran in it)."""
+        if not self.param_grads_at_start and not self.released:
             self.allocate_grad(nbytes)
 
     # Boundaries: storages shared by neighbours, alive while someone holds them.
@@ -214,7 +226,8 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     cost = [_effective_cost(profile, plan, i) for i in range(n)]
     chain = profile.is_chain
     r = _Replay(profile.fixed_bytes,
-                profile.grad_bytes if profile.grads_alive_at_start else 0)
+                profile.grad_bytes if profile.grads_alive_at_start else 0,
+                released=profile.optimizer_in_backward)
     shared_born: dict[int, list[int]] = {}  # born after unit k's forward (-1: the prefix's)
     shared_freed: dict[int, list[int]] = {}  # freed after unit k's backward
     shared_to_end = []
@@ -309,7 +322,8 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     r.event("forward end")
 
     # ---- backward -----------------------------------------------------------------
-    r.event("backward suffix", profile.suffix.bwd_peak_bytes)
+    r.event("backward suffix",
+            profile.suffix.bwd_peak_bytes + profile.step_in_backward(profile.suffix))
     r.free(profile.suffix.held_bytes)
     # The caller's loss and the seed gradient outlive the suffix's other held bytes.
     r.allocate(profile.loss_bytes)
@@ -336,7 +350,8 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
             r.free(sum(shared_freed.get(k, ())))
         i = done[-1] - 1
 
-    r.event("backward prefix", profile.prefix.bwd_peak_bytes)
+    r.event("backward prefix",
+            profile.prefix.bwd_peak_bytes + profile.step_in_backward(profile.prefix))
     after_backward(-1)
     r.free_grad(profile.extra_grad_in_flight_bytes)
     r.free(profile.prefix.held_bytes)
@@ -345,7 +360,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
         r.free_grad(units[0].input_grad_bytes)
     r.param_grad(profile.prefix.param_grad_bytes)
     r.event("backward end")
-    r.event("optimizer step", profile.optimizer_step_peak_bytes)
+    r.event("optimizer step", profile.end_step_peak_bytes)
 
     at = max(range(len(r.events)), key=lambda k: r.events[k][1])  # the first highest event
     label, peak = r.events[at]
@@ -384,7 +399,7 @@ def _backward_unit(
         # gradient of our output and released its own hold on the output storage.
         r.drop_holder(ok, "outside-out")
         r.allocate_grad(unit.output_bytes)
-    r.event(f"backward {unit.name}", cost.bwd_peak_bytes)
+    r.event(f"backward {unit.name}", cost.bwd_peak_bytes + profile.step_in_backward(unit))
     r.free(cost.held_bytes)
     r.drop_holder(ik, f"u{i}")
     r.drop_holder(ok, f"u{i}")
@@ -427,7 +442,8 @@ def _backward_segment(
             r.release_if_unheld(rkey(k))
     r.release_if_unheld(rkey(b + 1))  # the recomputed output, unless the unit saves it
     for k in range(b, a - 1, -1):
-        r.event(f"backward {units[k].name}", keep[k].bwd_peak_bytes)
+        r.event(f"backward {units[k].name}",
+                keep[k].bwd_peak_bytes + profile.step_in_backward(units[k]))
         r.free(keep[k].held_bytes)
         r.drop_holder(rkey(k + 1), f"u{k}")
         if k > a:

@@ -130,6 +130,10 @@ class UnitProfile:
         param_signature: ``"<parameter count>:<hash>"`` of the unit's parameters'
             names, shapes and dtypes (:mod:`remat.execute.structure`); plans carry it
             so that a model of another width is refused. ``None``: not recorded.
+        step_in_backward_bytes: with ``Loop(optimizer_in_backward=True)``, what the
+            optimizer steps of the parameters whose gradients are complete in its
+            backward add to that backward's peak, at most: the largest one
+            parameter's step needs (each runs alone, as its gradient is complete).
     """
 
     name: str
@@ -147,6 +151,7 @@ class UnitProfile:
     input_kept_by_caller: bool = False
     param_signature: str | None = None
     input_grad_kept_until: int | None = None
+    step_in_backward_bytes: int = 0
 
     def __post_init__(self) -> None:
         checked_str(self.name, "UnitProfile.name", ProfileError)
@@ -224,6 +229,9 @@ class OutsideCost:
         bwd_peak_bytes: highest live bytes during its backward above its start.
         param_grad_bytes: parameter-gradient bytes first allocated in its backward.
         fwd_ms, bwd_ms: its forward / backward time, in milliseconds.
+        step_in_backward_bytes: with ``Loop(optimizer_in_backward=True)``, what the
+            optimizer steps of the parameters whose gradients are complete in its
+            backward add to that backward's peak (``bwd_peak_bytes``), at most.
     """
 
     held_bytes: int = 0
@@ -232,6 +240,7 @@ class OutsideCost:
     param_grad_bytes: int = 0
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
+    step_in_backward_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_fields(self, ints=_OUTSIDE_INTS, floats=("fwd_ms", "bwd_ms"))
@@ -316,7 +325,9 @@ class Profile:
         param_bytes, buffer_bytes, optimizer_state_bytes: persistent bytes,
             alive for the whole step.
         optimizer_step_peak_bytes: peak of ``optimizer.step()`` above the bytes
-            alive when it starts (0 without an optimizer).
+            alive when it starts (0 without an optimizer), measured whatever the loop;
+            a loop that steps the optimizer in backward has no such step
+            (:attr:`end_step_peak_bytes`).
         loss_bytes: bytes the caller's loss tensor and autograd's seed gradient keep
             alive from the start of backward to the end of the step (the loss
             storage is also part of ``suffix.held_bytes``; it is not freed with the
@@ -346,7 +357,11 @@ class Profile:
             embedding tied to the LM head): summed in a buffer from the suffix's
             backward until the prefix's hands the sum to ``.grad``. They are the
             parameter's gradient itself when ``.grad`` is ``None``; when the loop keeps
-            gradients alive (``grads_alive_at_start``) they are extra bytes.
+            gradients alive (``grads_alive_at_start``) they are extra bytes, and so
+            they are when it frees each gradient after its phase
+            (``optimizer_in_backward``): the sum lives from the suffix's backward to
+            the prefix's, counted over that whole span (over, never under, where the
+            first contributor is a unit).
         shared: tensors handed to units besides their boundary input
             (:class:`SharedTensor`); in no other figure.
         coverage: the share (0 to 1) of the step's activation memory (the bytes
@@ -456,13 +471,33 @@ class Profile:
     @property
     def persistent_bytes(self) -> int:
         """What every plan's step holds by the end of its backward pass: the fixed bytes
-        and every parameter's gradient (what no plan removes; ``"0%"`` of activations)."""
-        return self.fixed_bytes + self.grad_bytes
+        and every parameter's gradient (what no plan removes; ``"0%"`` of activations).
+        A loop that frees each gradient in backward (``optimizer_in_backward``) holds no
+        gradient then: the fixed bytes alone."""
+        return self.fixed_bytes + (0 if self.optimizer_in_backward else self.grad_bytes)
 
     @property
     def extra_grad_in_flight_bytes(self) -> int:
         """Partial-gradient bytes that are extra in this loop (see ``grad_in_flight_bytes``)."""
-        return self.grad_in_flight_bytes if self.grads_alive_at_start else 0
+        extra = self.grads_alive_at_start or self.optimizer_in_backward
+        return self.grad_in_flight_bytes if extra else 0
+
+    @property
+    def optimizer_in_backward(self) -> bool:
+        """Whether the loop steps each parameter in backward and frees its gradient then
+        (:attr:`Loop.optimizer_in_backward`): no parameter gradient outlives its phase."""
+        return self.loop.optimizer_in_backward
+
+    def step_in_backward(self, part: UnitProfile | OutsideCost) -> int:
+        """What stepping the optimizer in ``part``'s backward adds to its peak in this loop
+        (its ``step_in_backward_bytes``; 0 for a loop that steps after backward)."""
+        return part.step_in_backward_bytes if self.optimizer_in_backward else 0
+
+    @property
+    def end_step_peak_bytes(self) -> int:
+        """The peak of the optimizer step after backward, above the bytes alive then: 0 for a
+        loop that steps in backward (its steps are in its phases' peaks)."""
+        return 0 if self.optimizer_in_backward else self.optimizer_step_peak_bytes
 
     @property
     def kept_last_output_bytes(self) -> int:
@@ -633,9 +668,10 @@ class Profile:
 _OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 _OPTION_BOOLS = ("holds_input", "holds_output")
 _UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes",
-              "autocast_cache_bytes")
+              "autocast_cache_bytes", "step_in_backward_bytes")
 _UNIT_BOOLS = ("input_held_outside", "output_held_outside", "input_kept_by_caller")
-_OUTSIDE_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "param_grad_bytes")
+_OUTSIDE_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "param_grad_bytes",
+                 "step_in_backward_bytes")
 _PROFILE_INTS = (
     "param_bytes",
     "buffer_bytes",

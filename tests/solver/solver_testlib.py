@@ -182,6 +182,7 @@ def profiles(
                 input_kept_by_caller=draw(st.sampled_from([False, False, True])),
                 input_grad_kept_until=None if is_chain else draw(
                     st.sampled_from([None, None, *range(-1, i)])),
+                step_in_backward_bytes=draw(st.sampled_from([0, draw(_bytes)])),
             )
         )
     outside = st.builds(
@@ -190,6 +191,7 @@ def profiles(
         fwd_peak_bytes=_bytes,
         bwd_peak_bytes=_bytes,
         param_grad_bytes=_bytes,
+        step_in_backward_bytes=st.sampled_from([0, 0, 7, 30, 60]),
     )
     # Every byte figure simulate() may read is drawn, so that a change to its rules
     # the DP does not mirror fails the brute-force comparison.
@@ -224,9 +226,12 @@ def loop_figures(draw: st.DrawFn, n: int) -> dict:
                                    last_user=draw(st.integers(first, n - 1)),
                                    grad_bytes=draw(st.sampled_from([0, draw(_bytes)])),
                                    maker_output=born_after >= 0 and draw(st.booleans())))
+    steps, to_none = draw(st.sampled_from([1, 1, 2])), draw(st.booleans())
+    # Gradients stepped and freed in backward: only where that loop can hold.
+    in_backward = steps == 1 and to_none and draw(st.booleans())
     return {
-        "loop": Loop(accumulation_steps=draw(st.sampled_from([1, 1, 2])),
-                     set_to_none=draw(st.booleans())),
+        "loop": Loop(accumulation_steps=steps, set_to_none=to_none,
+                     optimizer_in_backward=in_backward),
         "carried_bytes": draw(st.sampled_from([0, draw(_bytes)])),
         "output_bytes": draw(st.sampled_from([0, draw(_bytes)])),
         "shared": tuple(shared),
@@ -288,6 +293,7 @@ def segment_profiles(draw: st.DrawFn, max_units: int = 8) -> Profile:
                 input_grad_bytes=sizes[i], param_grad_bytes=draw(st.integers(0, 10)),
                 options=options, input_held_outside=draw(st.booleans()),
                 output_held_outside=draw(st.booleans()),
+                step_in_backward_bytes=draw(st.sampled_from([0, draw(st.integers(0, 30))])),
             )
         )
     return Profile(
