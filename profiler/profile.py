@@ -15,7 +15,8 @@ and every pass holds at most what the most frugal plan holds. The passes, in ord
 2. **outside time** (:mod:`.outside_time`): steps whose units are stubs (:mod:`.stub`:
    their forward under ``no_grad``, a gradient of ones for their inputs) time the code
    outside the units; with an optimizer, the first two also meter ``optimizer.step()``
-   (its state and its step's peak);
+   (its state and its step's peak), and a third each parameter's own step (what
+   stepping it in backward adds: ``Loop(optimizer_in_backward=True)``);
 3. **outside step** (:mod:`.instrument`): one instrumented stub step gives the
    prefix/suffix figures, the boundaries and who holds them, shared tensors, what the
    loop keeps, and where the outside code's parameter gradients appear.
@@ -62,7 +63,7 @@ from remat.profiler.assemble import Measurements, build_profile, input_shapes, m
 from remat.profiler.capture import ops_between_units, trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
-from remat.profiler.grads import place_grads
+from remat.profiler.grads import place_grads, place_steps
 from remat.profiler.instrument import instrumented_step
 from remat.profiler.outside_time import time_outside
 from remat.profiler.progress import Progress
@@ -301,10 +302,14 @@ def _profile(
             clear_grads(state.params)
             state.rng.restore()
             state.restore_buffers()
-            places = place_grads(
-                state.params, modules, base.param_grads,
-                {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
-                 if name in measurer.trained})
+            trained = {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
+                       if name in measurer.trained}
+            places = place_grads(state.params, modules, base.param_grads, trained)
+            steps = place_steps(state.params, modules, base.param_grads, trained,
+                                outside.param_step_peaks,
+                                unit_figures=[measurer.figures[name] for name, _ in ordered],
+                                suffix_peak=max(base.suffix.bwd_peak_bytes, 0),
+                                prefix_peak=max(base.prefix.bwd_peak_bytes, 0))
     finally:
         bar.close()
 
@@ -316,6 +321,7 @@ def _profile(
         timings=measurer.timings,
         outside=outside,
         grads=places,
+        steps=steps,
         fixed_bytes=fixed,
         param_bytes=storage_bytes(model.parameters()),
         buffer_bytes=storage_bytes(model.buffers()),

@@ -21,7 +21,7 @@ left-to-right pass over the units sees each event exactly once. On a chain unit
 
     H        = p or o.holds_input                       # boundary b_i held?
     forward  : A_i + in_i + o.fwd_peak + C_i
-    backward : A_i + o.held + H*in_i + o.holds_output*out_i + o.bwd_peak + S_i + D_i
+    backward : A_i + o.held + H*in_i + o.holds_output*out_i + o.bwd_peak + D_i
     A_{i+1}  = A_i + o.held + H*in_i,   next p = o.holds_output
 
 with ``C_i`` = fixed + prefix held bytes + what the loop carries and keeps alive
@@ -30,10 +30,10 @@ autocast casts + the shared tensors born by then, and ``D_i`` = fixed + prefix
 held bytes + the loss and the kept output + the shared tensors still alive + the
 gradients alive at unit ``i``'s backward (suffix and later units' parameter
 gradients, or all of them when the loop keeps them, and the gradient of unit
-``i``'s output), and ``S_i`` what stepping the optimizer in unit ``i``'s backward adds
-(``step_in_backward_bytes``, in a loop that does: ``Loop(optimizer_in_backward=True)``,
-whose parameter gradients never outlive their phase). A multi-unit segment ``a..b`` is
-one move from
+``i``'s output). ``o.bwd_peak`` is the option's backward peak in the profile's loop
+(:meth:`Profile.bwd_peak`: in a loop that steps the optimizer in backward, its
+parameters' steps included; no parameter gradient then outlives its phase). A
+multi-unit segment ``a..b`` is one move from
 ``A_a`` to ``A_{b+1} = A_a + ckpt.held_a + in_a`` (only its first input is held,
 next ``p`` = 0) whose forward, recompute and backward events are
 ``A_a + (constant of a and b)``; :func:`build_model` derives those constants with
@@ -299,8 +299,7 @@ def _floor_bytes(profile: Profile) -> int:
         fixed
         + profile.prefix.held_bytes
         + grads_then
-        + profile.prefix.bwd_peak_bytes
-        + profile.step_in_backward(profile.prefix)
+        + profile.bwd_peak(profile.prefix)
         + kept
         + profile.extra_grad_in_flight_bytes
         + _shared_grads_in_backward(profile)[profile.n]
@@ -319,7 +318,6 @@ def _floor_bytes(profile: Profile) -> int:
 def _chain_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
     """Unit i's moves on a chain, for both left flags."""
     unit = profile.units[i]
-    step = profile.step_in_backward(unit)
     moves = []
     for option in OPTION_ORDER:
         o = unit.options.get(option)
@@ -334,8 +332,7 @@ def _chain_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
                 o.held_bytes
                 + held_in
                 + (unit.output_bytes if holds_out else 0)
-                + o.bwd_peak_bytes
-                + step
+                + profile.bwd_peak(o)
                 + d
             )
             moves.append(
@@ -348,7 +345,6 @@ def _chain_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
 def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
     """Unit i's moves off a chain: its input and output are its own boundaries."""
     unit = profile.units[i]
-    step = profile.step_in_backward(unit)
     moves = []
     for option in OPTION_ORDER:
         o = unit.options.get(option)
@@ -365,8 +361,7 @@ def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
             o.held_bytes
             + held_in
             + (unit.output_bytes if o.holds_output and not kept else 0)
-            + o.bwd_peak_bytes
-            + step
+            + profile.bwd_peak(o)
             + d
         )
         moves.append(Move(option, 0, o.held_bytes + held_in + held_out, max(fwd, bwd), 0,
@@ -377,7 +372,7 @@ def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
 def _end_need(profile: Profile, c_fwd: int, c_bwd: int) -> tuple[int, int]:
     """The suffix's forward / backward events minus ``A_n``, per flag of the last unit."""
     s = profile.suffix
-    s_bwd = s.bwd_peak_bytes + profile.step_in_backward(s)
+    s_bwd = profile.bwd_peak(s)
     if not profile.is_chain:
         kept = profile.kept_last_output_bytes  # in c_bwd already
         need = max(c_fwd + kept + s.fwd_peak_bytes, c_bwd + s.held_bytes + s_bwd)
@@ -416,7 +411,7 @@ def _segment_needs(
                       c_a + C_k + in_k + ckpt.fwd_k      (k > a)
         recompute k : c_a + D_b + Kpre(a, k) + [k>a]*in_k + keep.fwd_k
         backward k  : c_a + D_k + Kpre(a, k) + kh_k + [k>a]*RH_k*in_k
-                      + keep.holds_output_k*out_k + keep.bwd_k + S_k
+                      + keep.holds_output_k*out_k + keep.bwd_k
 
     with ``c_a = ckpt.held_a + in_a``. Prefix sums make ``Kpre`` O(1), running
     maxima over k make each row one pass.
@@ -435,11 +430,10 @@ def _segment_needs(
     out_b = np.array([u.output_bytes for u in units], dtype=np.int64)
     kh = np.array([k.held_bytes for k in keep], dtype=np.int64)
     kfwd = np.array([k.fwd_peak_bytes for k in keep], dtype=np.int64)
-    kbwd = np.array([k.bwd_peak_bytes for k in keep], dtype=np.int64)
+    kbwd = np.array([profile.bwd_peak(k) for k in keep], dtype=np.int64)
     khout = np.array([k.holds_output for k in keep], dtype=bool)
     khin = np.array([k.holds_input for k in keep], dtype=bool)
     dv = np.array(d, dtype=np.int64)
-    sv = np.array([profile.step_in_backward(u) for u in units], dtype=np.int64)
     rh = np.zeros(n, dtype=np.int64)  # RH_m * in_m for m >= 1
     rh[1:] = np.where(khout[:-1] | khin[1:], in_b[1:], 0)
     kh_cum = np.concatenate(([0], np.cumsum(kh)))
@@ -449,7 +443,7 @@ def _segment_needs(
     cv = np.array(c[:n], dtype=np.int64)
     f_k = cv + in_b + _ckpt_array(profile, "fwd_peak_bytes")  # a member's forward
     r_k = kh_cum[:-1] + rh_cum[:-1] + in_b + kfwd
-    s_k = dv + kh_cum[1:] + rh_cum[1:] + np.where(khout, out_b, 0) + kbwd + sv
+    s_k = dv + kh_cum[1:] + rh_cum[1:] + np.where(khout, out_b, 0) + kbwd
     ck_held = _ckpt_array(profile, "held_bytes")
     ck_fwd = _ckpt_array(profile, "fwd_peak_bytes")
     for a in range(n - 1):
@@ -463,7 +457,7 @@ def _segment_needs(
         fwd_need[a, ks] = np.maximum(fwd_first, c_a + np.maximum.accumulate(f_k[ks]))
         rec_inner = np.maximum(int(kfwd[a]), np.maximum.accumulate(r_k[ks]) - q_a)
         rec_need[a, ks] = c_a + dv[ks] + rec_inner
-        bwd_first = c_a + int(dv[a] + kh[a] + (out_b[a] if khout[a] else 0) + kbwd[a] + sv[a])
+        bwd_first = c_a + int(dv[a] + kh[a] + (out_b[a] if khout[a] else 0) + kbwd[a])
         bwd_need[a, ks] = np.maximum(bwd_first, c_a - q_a + np.maximum.accumulate(s_k[ks]))
     return fwd_need, rec_need, bwd_need
 

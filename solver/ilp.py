@@ -247,7 +247,7 @@ def _backward_events(
 ) -> None:
     """Unit i's own backward (when it is not in a segment)::
 
-        A_i + H_i*in_i + held + holds_output*out_i + bwd_peak + S_i + D_i <= budget
+        A_i + H_i*in_i + held + holds_output*out_i + bwd_peak + D_i <= budget
 
     ``D_i``: fixed and prefix bytes plus the gradients alive at that point. As one
     linear constraint per unit: a segment member contributes ``D_i`` only, which
@@ -256,11 +256,10 @@ def _backward_events(
     """
     for i, unit in enumerate(profile.units):
         d = model.bwd_const[i]
-        step = profile.step_in_backward(unit)  # S_i: its parameters stepped in backward
         terms = []
         for o, cost in unit.options.items():
             out = unit.output_bytes if cost.holds_output and not _kept_by_loop(profile, i) else 0
-            rest = cost.held_bytes + out + cost.bwd_peak_bytes + step + d
+            rest = cost.held_bytes + out + profile.bwd_peak(cost) + d
             if not profile.is_chain and (cost.holds_input or unit.input_held_outside):
                 rest += unit.input_bytes
             terms.append(rest * v.opt[i, o])
@@ -303,7 +302,7 @@ def _suffix_events(
 ) -> None:
     """The suffix's forward and backward, on top of everything the units hold."""
     s = profile.suffix
-    s_bwd = s.bwd_peak_bytes + profile.step_in_backward(s)
+    s_bwd = profile.bwd_peak(s)
     a_n = v.held_before[profile.n]
     c_fwd, c_bwd = model.fwd_const[profile.n], model.suffix_bwd_const
     if not profile.is_chain:

@@ -19,7 +19,8 @@ The rules it encodes:
   segment's last unit the whole segment is recomputed with its ``keep`` costs,
   and its units then run their ``keep`` backward in reverse order, freeing the
   recomputed activations as they go.
-* A unit's backward peaks at ``live + bwd_peak_bytes`` of its option. After it,
+* A unit's backward peaks at ``live + bwd_peak_bytes`` of its option (in the loop's
+  terms: :meth:`Profile.bwd_peak`). After it,
   what the unit held is freed, its output's gradient is consumed, and its input's
   gradient and its parameter gradients are live.
 * The loss (``loss_bytes``, with the seed gradient) stays alive from the start of
@@ -45,9 +46,10 @@ The rules it encodes:
   step ran in a hook as it was complete), so none accumulates to the end of the
   backward pass; a parameter used in two phases (a tied embedding) keeps its summed
   gradient from the suffix's backward to the prefix's (``extra_grad_in_flight_bytes``).
-  Each phase's backward peaks at its own peak plus what stepping its parameters adds
-  (``step_in_backward_bytes``), and the optimizer step after backward is gone (its
-  peak is 0: ``end_step_peak_bytes``); the optimizer state is resident as before.
+  Each phase's backward peaks at its peak in that loop, the steps of its parameters
+  included (``stepped_bwd_peak_bytes``: :meth:`Profile.bwd_peak`), and the optimizer
+  step after backward is gone (its peak is 0: ``end_step_peak_bytes``); the optimizer
+  state is resident as before.
 * The step time is the measured step time plus every option's ``extra_ms``, once
   per micro-batch.
 
@@ -211,6 +213,7 @@ def _effective_cost(profile: Profile, plan: Plan, i: int) -> OptionCost:
         fwd_peak_bytes=ckpt.fwd_peak_bytes,
         bwd_peak_bytes=ckpt.bwd_peak_bytes,
         extra_ms=ckpt.extra_ms,
+        stepped_bwd_peak_bytes=ckpt.stepped_bwd_peak_bytes,
     )
 
 
@@ -323,7 +326,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
 
     # ---- backward -----------------------------------------------------------------
     r.event("backward suffix",
-            profile.suffix.bwd_peak_bytes + profile.step_in_backward(profile.suffix))
+            profile.bwd_peak(profile.suffix))
     r.free(profile.suffix.held_bytes)
     # The caller's loss and the seed gradient outlive the suffix's other held bytes.
     r.allocate(profile.loss_bytes)
@@ -351,7 +354,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
         i = done[-1] - 1
 
     r.event("backward prefix",
-            profile.prefix.bwd_peak_bytes + profile.step_in_backward(profile.prefix))
+            profile.bwd_peak(profile.prefix))
     after_backward(-1)
     r.free_grad(profile.extra_grad_in_flight_bytes)
     r.free(profile.prefix.held_bytes)
@@ -399,7 +402,7 @@ def _backward_unit(
         # gradient of our output and released its own hold on the output storage.
         r.drop_holder(ok, "outside-out")
         r.allocate_grad(unit.output_bytes)
-    r.event(f"backward {unit.name}", cost.bwd_peak_bytes + profile.step_in_backward(unit))
+    r.event(f"backward {unit.name}", profile.bwd_peak(cost))
     r.free(cost.held_bytes)
     r.drop_holder(ik, f"u{i}")
     r.drop_holder(ok, f"u{i}")
@@ -443,7 +446,7 @@ def _backward_segment(
     r.release_if_unheld(rkey(b + 1))  # the recomputed output, unless the unit saves it
     for k in range(b, a - 1, -1):
         r.event(f"backward {units[k].name}",
-                keep[k].bwd_peak_bytes + profile.step_in_backward(units[k]))
+                profile.bwd_peak(keep[k]))
         r.free(keep[k].held_bytes)
         r.drop_holder(rkey(k + 1), f"u{k}")
         if k > a:

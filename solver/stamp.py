@@ -75,12 +75,13 @@ def activations_only(profile: Profile) -> Profile:
         return cached
 
     def no_grads(outside: OutsideCost) -> OutsideCost:
-        return replace(outside, param_grad_bytes=0, step_in_backward_bytes=0)
+        return replace(outside, param_grad_bytes=0, stepped_bwd_peak_bytes=None)
 
     reduced = replace(
         profile,
-        units=tuple(replace(u, param_grad_bytes=0, step_in_backward_bytes=0)
-                    for u in profile.units),
+        units=tuple(replace(u, param_grad_bytes=0, options={
+            name: replace(cost, stepped_bwd_peak_bytes=None) for name, cost in u.options.items()})
+            for u in profile.units),
         prefix=no_grads(profile.prefix),
         suffix=no_grads(profile.suffix),
         param_bytes=0,

@@ -46,6 +46,7 @@ __all__ = [
     "MAX_BYTES",
     "MAX_MS",
     "SCHEMA_VERSION",
+    "STEPS_IN_BACKWARD",
     "UNIT_TYPE_COUNTS",
     "OptionCost",
     "OutsideCost",
@@ -62,6 +63,12 @@ SCHEMA_VERSION = 3
 # recorded by ``remat.profile()``; solved plans carry it (``PlanTarget.unit_type_counts``)
 # so that a deeper model than the one profiled is refused.
 UNIT_TYPE_COUNTS = "unit_type_counts"
+
+# ``Profile.meta`` key: ``"measured"`` when each parameter's own optimizer step was metered
+# (in the ``stepped_bwd_peak_bytes`` figures, which let one profile predict a loop that
+# steps the optimizer in backward), else why not: ``"no optimizer"``, or the optimizer's
+# refusal.
+STEPS_IN_BACKWARD = "steps_in_backward"
 
 
 
@@ -82,6 +89,10 @@ class OptionCost:
             unit holds and the gradient of its output).
         extra_ms: time the option adds to a training step over ``keep``
             (recomputation, copies that are not hidden), in milliseconds.
+        stepped_bwd_peak_bytes: ``bwd_peak_bytes`` in a loop that steps the optimizer
+            in backward (``Loop(optimizer_in_backward=True)``): each parameter gradient
+            freed once its own step, run as it is complete, is done; that step's peak
+            included. ``None``: not measured, ``bwd_peak_bytes`` stands for it.
     """
 
     held_bytes: int
@@ -90,9 +101,11 @@ class OptionCost:
     fwd_peak_bytes: int
     bwd_peak_bytes: int
     extra_ms: float = 0.0
+    stepped_bwd_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self, ints=_OPTION_INTS, bools=_OPTION_BOOLS, floats=("extra_ms",))
+        _check_stepped(self)
 
 
 @dataclass(frozen=True)
@@ -130,10 +143,6 @@ class UnitProfile:
         param_signature: ``"<parameter count>:<hash>"`` of the unit's parameters'
             names, shapes and dtypes (:mod:`remat.execute.structure`); plans carry it
             so that a model of another width is refused. ``None``: not recorded.
-        step_in_backward_bytes: with ``Loop(optimizer_in_backward=True)``, what the
-            optimizer steps of the parameters whose gradients are complete in its
-            backward add to that backward's peak, at most: the largest one
-            parameter's step needs (each runs alone, as its gradient is complete).
     """
 
     name: str
@@ -151,7 +160,6 @@ class UnitProfile:
     input_kept_by_caller: bool = False
     param_signature: str | None = None
     input_grad_kept_until: int | None = None
-    step_in_backward_bytes: int = 0
 
     def __post_init__(self) -> None:
         checked_str(self.name, "UnitProfile.name", ProfileError)
@@ -229,9 +237,9 @@ class OutsideCost:
         bwd_peak_bytes: highest live bytes during its backward above its start.
         param_grad_bytes: parameter-gradient bytes first allocated in its backward.
         fwd_ms, bwd_ms: its forward / backward time, in milliseconds.
-        step_in_backward_bytes: with ``Loop(optimizer_in_backward=True)``, what the
-            optimizer steps of the parameters whose gradients are complete in its
-            backward add to that backward's peak (``bwd_peak_bytes``), at most.
+        stepped_bwd_peak_bytes: ``bwd_peak_bytes`` in a loop that steps the optimizer
+            in backward, its parameters' steps included (``None``: not measured,
+            ``bwd_peak_bytes`` stands for it); see :class:`OptionCost`.
     """
 
     held_bytes: int = 0
@@ -240,10 +248,11 @@ class OutsideCost:
     param_grad_bytes: int = 0
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
-    step_in_backward_bytes: int = 0
+    stepped_bwd_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self, ints=_OUTSIDE_INTS, floats=("fwd_ms", "bwd_ms"))
+        _check_stepped(self)
 
 
 @dataclass(frozen=True)
@@ -488,10 +497,14 @@ class Profile:
         (:attr:`Loop.optimizer_in_backward`): no parameter gradient outlives its phase."""
         return self.loop.optimizer_in_backward
 
-    def step_in_backward(self, part: UnitProfile | OutsideCost) -> int:
-        """What stepping the optimizer in ``part``'s backward adds to its peak in this loop
-        (its ``step_in_backward_bytes``; 0 for a loop that steps after backward)."""
-        return part.step_in_backward_bytes if self.optimizer_in_backward else 0
+    def bwd_peak(self, part: OptionCost | OutsideCost) -> int:
+        """The peak of a backward (an option's, the prefix's or the suffix's) in this loop:
+        its ``stepped_bwd_peak_bytes`` in a loop that steps the optimizer in backward,
+        where measured, else its ``bwd_peak_bytes``."""
+        stepped = part.stepped_bwd_peak_bytes
+        if self.optimizer_in_backward and stepped is not None:
+            return stepped
+        return part.bwd_peak_bytes
 
     @property
     def end_step_peak_bytes(self) -> int:
@@ -668,10 +681,9 @@ class Profile:
 _OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 _OPTION_BOOLS = ("holds_input", "holds_output")
 _UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes",
-              "autocast_cache_bytes", "step_in_backward_bytes")
+              "autocast_cache_bytes")
 _UNIT_BOOLS = ("input_held_outside", "output_held_outside", "input_kept_by_caller")
-_OUTSIDE_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "param_grad_bytes",
-                 "step_in_backward_bytes")
+_OUTSIDE_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "param_grad_bytes")
 _PROFILE_INTS = (
     "param_bytes",
     "buffer_bytes",
@@ -706,6 +718,14 @@ def _check_fields(
         _set(obj, name, checked_bool(getattr(obj, name), f"{owner}.{name}", ProfileError))
     for name in floats:
         _set(obj, name, checked_ms(getattr(obj, name), f"{owner}.{name}", ProfileError))
+
+
+def _check_stepped(obj: OptionCost | OutsideCost) -> None:
+    """``stepped_bwd_peak_bytes``: ``None`` or a byte count."""
+    if obj.stepped_bwd_peak_bytes is not None:
+        _set(obj, "stepped_bwd_peak_bytes", checked_bytes(
+            obj.stepped_bwd_peak_bytes, f"{type(obj).__name__}.stepped_bwd_peak_bytes",
+            ProfileError))
 
 
 def _checked_shapes(shapes: object) -> dict[str, tuple[int, ...]]:

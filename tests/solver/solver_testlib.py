@@ -146,6 +146,7 @@ def option_costs(draw: st.DrawFn, name: str) -> OptionCost:
         fwd_peak_bytes=draw(_bytes),
         bwd_peak_bytes=draw(_bytes),
         extra_ms=0.0 if name == KEEP else draw(_pos_ms),
+        stepped_bwd_peak_bytes=draw(st.sampled_from([None, None, draw(_bytes)])),
     )
 
 
@@ -182,7 +183,6 @@ def profiles(
                 input_kept_by_caller=draw(st.sampled_from([False, False, True])),
                 input_grad_kept_until=None if is_chain else draw(
                     st.sampled_from([None, None, *range(-1, i)])),
-                step_in_backward_bytes=draw(st.sampled_from([0, draw(_bytes)])),
             )
         )
     outside = st.builds(
@@ -191,7 +191,7 @@ def profiles(
         fwd_peak_bytes=_bytes,
         bwd_peak_bytes=_bytes,
         param_grad_bytes=_bytes,
-        step_in_backward_bytes=st.sampled_from([0, 0, 7, 30, 60]),
+        stepped_bwd_peak_bytes=st.sampled_from([None, None, 0, 7, 30, 60]),
     )
     # Every byte figure simulate() may read is drawn, so that a change to its rules
     # the DP does not mirror fails the brute-force comparison.
@@ -274,17 +274,20 @@ def segment_profiles(draw: st.DrawFn, max_units: int = 8) -> Profile:
             KEEP: OptionCost(
                 draw(st.integers(15, 60)), draw(st.booleans()), draw(st.booleans()),
                 draw(st.integers(0, 70)), draw(st.integers(0, 20)), 0.0,
+                stepped_bwd_peak_bytes=draw(st.sampled_from([None, draw(st.integers(0, 40))])),
             )
         }
         if draw(st.integers(0, 5)) > 0:
             options[CKPT] = OptionCost(
                 draw(st.integers(0, 3)), True, False, draw(st.integers(0, 10)),
                 draw(st.integers(15, 80)), draw(_pos_ms),
+                stepped_bwd_peak_bytes=draw(st.sampled_from([None, draw(st.integers(0, 40))])),
             )
         if draw(st.booleans()):
             options[SEL] = OptionCost(
                 draw(st.integers(5, 30)), True, draw(st.booleans()), draw(st.integers(0, 70)),
                 draw(st.integers(0, 40)), draw(_pos_ms),
+                stepped_bwd_peak_bytes=draw(st.sampled_from([None, draw(st.integers(0, 40))])),
             )
         units.append(
             UnitProfile(
@@ -293,7 +296,6 @@ def segment_profiles(draw: st.DrawFn, max_units: int = 8) -> Profile:
                 input_grad_bytes=sizes[i], param_grad_bytes=draw(st.integers(0, 10)),
                 options=options, input_held_outside=draw(st.booleans()),
                 output_held_outside=draw(st.booleans()),
-                step_in_backward_bytes=draw(st.sampled_from([0, draw(st.integers(0, 30))])),
             )
         )
     return Profile(

@@ -82,7 +82,7 @@ def test_stepped_in_backward_no_parameter_gradient_outlives_its_phase(profile: P
     assert events["optimizer step"] == events["backward end"]
     assert big.persistent_bytes == big.fixed_bytes
     stepped = dataclasses.replace(big, suffix=dataclasses.replace(
-        big.suffix, step_in_backward_bytes=10**9))
+        big.suffix, stepped_bwd_peak_bytes=10**9))
     sim = simulate(stepped, plan)
     assert sim.peak_event == "backward suffix"
     # Not in the loop that steps after backward: the figure is the in-backward loop's.
