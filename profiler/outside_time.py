@@ -98,12 +98,16 @@ def time_outside(
     warmup: int,
     repeats: int,
     tolerance: float = 0.0,
+    optimizer: bool = True,
 ) -> OutsideTimes:
     """Run stub steps of the runner's loop (see the module docstring): with an optimizer
     two metered ones first, then ``warmup`` un-timed and up to ``repeats`` timed ones
-    (fewer once the samples settle within ``tolerance``)."""
-    steps, why = _param_steps(runner)
-    whole = 2 if runner.optimizer is not None else 0  # metered whole steps
+    (fewer once the samples settle within ``tolerance``). ``optimizer=False`` leaves
+    the optimizer out (its figures 0, no parameter's step metered): a variant of the
+    outside code (a chunked head) changes the micro-batch, not the optimizer's step."""
+    stepping = optimizer and runner.optimizer is not None
+    steps, why = _param_steps(runner) if stepping else (None, "not measured in this run")
+    whole = 2 if stepping else 0  # metered whole steps
     metered = whole + (steps is not None)
     param_peaks: dict[int, int] = {}
     fwd: list[float] = []
@@ -132,9 +136,9 @@ def time_outside(
             elif r < metered:
                 assert steps is not None
                 param_peaks = _meter_each(steps, runner)
-            elif (in_backward := runner.in_backward) is not None:
+            elif stepping and (in_backward := runner.in_backward) is not None:
                 _, o_ms = watch.time(lambda s=in_backward: _step_each(s, runner))
-            elif runner.optimizer is not None:
+            elif stepping:
                 _, o_ms = watch.time(runner.optimizer_step)
             if r >= metered + warmup:
                 fwd.append(max(f_ms - stub_ms, 0.0))
@@ -144,7 +148,7 @@ def time_outside(
                 if parts_settled(total, fwd, bwd, repeats=repeats, tolerance=tolerance):
                     break
     clear_grads(state.params)
-    state_bytes = optimizer_state_bytes(runner.optimizer)
+    state_bytes = optimizer_state_bytes(runner.optimizer) if stepping else 0
     step_peak = max(peaks[1], peaks[0] - state_bytes) if peaks else 0
     return OutsideTimes(median(fwd), median(bwd), median(opt), state_bytes, step_peak,
                         param_peaks, why)

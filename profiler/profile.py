@@ -20,6 +20,9 @@ and every pass holds at most what the most frugal plan holds. The passes, in ord
 3. **outside step** (:mod:`.instrument`): one instrumented stub step gives the
    prefix/suffix figures, the boundaries and who holds them, shared tensors, what the
    loop keeps, and where the outside code's parameter gradients appear.
+4. **head variants** (:mod:`.heads`, :mod:`.outside`): where a head is measured, passes 2
+   and 3 again with the head and its loss over each chunk count, most frugal first
+   (before the head as it is, which may not fit the device the user plans for).
 
 The figures of the unplanned step (the no-checkpoint peak, its time) are derived from
 these by ``simulate()``, not run; ``meta["outside_step_peak_bytes"]`` is the peak the
@@ -49,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.core.checks import check_profile_args
+from remat.core.checks import check_head_setting, check_profile_args
 from remat.core.errors import DeviceMemoryError, ProfileError
 from remat.core.loop import Loop, loop_or_default
 from remat.core.option import Option
@@ -63,9 +66,8 @@ from remat.profiler.assemble import Measurements, build_profile, input_shapes, m
 from remat.profiler.capture import ops_between_units, trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
-from remat.profiler.grads import place_grads, place_steps
-from remat.profiler.instrument import instrumented_step
-from remat.profiler.outside_time import time_outside
+from remat.profiler.heads import frugal_forwards, head_profile, head_to_measure
+from remat.profiler.outside import TimedRuns, measure_outside
 from remat.profiler.progress import Progress
 from remat.profiler.replay import OptionFigures
 from remat.profiler.saves import record_saves
@@ -113,6 +115,7 @@ def profile(
     progress: bool | None = None,
     loop: Loop | None = None,
     granularity: str = "blocks",
+    head: str = "auto",
 ) -> Profile:
     """Measure one training step of ``model`` on ``sample_batch``, unit by unit.
 
@@ -151,6 +154,13 @@ def profile(
             unit's children instead. ``"auto"`` (both levels, the better kept) compares
             the levels' optimal plans, which takes the solver: :func:`remat.profile`
             does it, on :func:`profile_levels`.
+        head: whether to measure the output head and its loss over chunks of the tokens,
+            for the solver to choose where the budget needs it (:mod:`.heads`):
+            ``"auto"`` where remat recognises the head (a Hugging Face causal LM with
+            ``labels``, or a model calling :func:`remat.head_loss`) and the loop drops the
+            output (``Loop(keep_output=False)``: a chunked head returns no logits);
+            ``"chunked"`` wherever it recognises one (the loop does not read the logits;
+            an error where it recognises none); ``"none"`` never.
 
     Returns:
         The :class:`Profile`. Byte figures come from the dispatch-level
@@ -173,7 +183,8 @@ def profile(
     blocks, _ = profile_levels(model, sample_batch, loss_fn=loss_fn, units=units,
                                optimizer=optimizer, options=options, warmup=warmup,
                                repeats=repeats, tolerance=tolerance, pool_twins=pool_twins,
-                               progress=progress, loop=loop, granularity=granularity)
+                               progress=progress, loop=loop, granularity=granularity,
+                               head=head)
     return blocks
 
 
@@ -192,6 +203,7 @@ def profile_levels(
     progress: bool | None = None,
     loop: Loop | None = None,
     granularity: str = "blocks",
+    head: str = "auto",
 ) -> tuple[Profile, Profile | None]:
     """The profile at ``granularity`` and, for ``"auto"`` where the blocks are few (under
     8) or one holds half of their memory, the profile of the blocks' children too
@@ -216,7 +228,7 @@ def profile_levels(
         )
     level = check_granularity(granularity)
     settings = _Settings(loss_fn, optimizer, options, warmup, repeats, tolerance, pool_twins,
-                         progress, loop_or_default(loop))
+                         progress, loop_or_default(loop), check_head_setting(head))
     result, choice = _profile(model, sample_batch, units, level, settings)
     finer = None
     if level == "auto" and choice.children is not None:
@@ -240,6 +252,7 @@ class _Settings:
     pool_twins: bool
     progress: bool | None
     loop: Loop
+    head: str = "auto"
 
 
 def _profile(
@@ -252,76 +265,67 @@ def _profile(
     device = model_device(model)
     opts = _resolve_options(settings.options, device)
     watch = Stopwatch(device)
-    bar = Progress(3, settings.progress)
+    bar = Progress(2, settings.progress)
     started = time.perf_counter()
     more_warmup = max(settings.warmup - 1, 0)  # a metered run is the first warm-up run
     try:
         with training_session(model, optimizer) as state:
             runner = StepRunner(model, sample_batch, settings.loss_fn, optimizer, loop,
                                 device.type)
-            with _out_of_memory_is_named("the forward pass that records what modules save"):
-                bar.step("units")
-                record = record_saves(model, lambda: runner.forward(autocast_cache=False))
-            state.rng.restore()
-            state.restore_buffers()
-            choice = choose(model, record, units, given, level)
-            unit_bytes = dict(choice.coverage.per_unit)
-            ops = ops_between_units(record, choice.names)
-            recorded = {name: (call.ops, record.saved_inside(call.index))
-                        for name in choice.names if (call := record.call(name)) is not None}
-            del record
-            bar.total += len(choice.units)  # now known
-            measurer = UnitMeasurer(
-                opts, runner, watch,
-                TimingPolicy(more_warmup, settings.repeats, settings.tolerance,
-                             settings.pool_twins),
-                bar, needs_bytes=lambda name: unit_bytes.get(name, 0),
-                recorded=recorded.get)
-            with _out_of_memory_is_named("the forward pass that replays the units"):
-                trace = trace_units(model, choice.units,
-                                    lambda: runner.forward(autocast_cache=False),
-                                    on_unit=measurer, ops_between=ops)
+            with frugal_forwards(settings.head, loop, model, sample_batch) as through_head_loss:
+                with _out_of_memory_is_named("the forward pass that records what modules save"):
+                    bar.step("units")
+                    record = record_saves(model, lambda: runner.forward(autocast_cache=False))
+                state.rng.restore()
+                state.restore_buffers()
+                choice = choose(model, record, units, given, level)
+                unit_bytes = dict(choice.coverage.per_unit)
+                ops = ops_between_units(record, choice.names)
+                recorded = {name: (call.ops, record.saved_inside(call.index))
+                            for name in choice.names if (call := record.call(name)) is not None}
+                del record
+                bar.total += len(choice.units)  # now known
+                measurer = UnitMeasurer(
+                    opts, runner, watch,
+                    TimingPolicy(more_warmup, settings.repeats, settings.tolerance,
+                                 settings.pool_twins),
+                    bar, needs_bytes=lambda name: unit_bytes.get(name, 0),
+                    recorded=recorded.get)
+                with _out_of_memory_is_named("the forward pass that replays the units"):
+                    trace = trace_units(model, choice.units,
+                                        lambda: runner.forward(autocast_cache=False),
+                                        on_unit=measurer, ops_between=ops)
             clear_grads(state.params)
             state.rng.restore()
             state.restore_buffers()
             measurer.check_some_option_runs()
             measurer.log_twins()
             ordered = [(name, trace.calls[name].module) for name in trace.order]
-            modules = [m for _, m in ordered]
-
-            with _out_of_memory_is_named("the code outside the units"):
-                bar.step("outside time")
-                outside = time_outside(runner, modules, state, watch, warmup=settings.warmup,
-                                       repeats=settings.repeats, tolerance=settings.tolerance)
-                state.rng.restore()
-                state.restore_buffers()
-                bar.step("outside step")
-                watch.sync()
-                fixed = fixed_bytes(model, optimizer) + batch_bytes(sample_batch, device)
-                base = instrumented_step(runner, ordered, is_chain=trace.chain.is_chain)
-            clear_grads(state.params)
-            state.rng.restore()
-            state.restore_buffers()
             trained = {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
                        if name in measurer.trained}
-            places = place_grads(state.params, modules, base.param_grads, trained)
-            steps = place_steps(state.params, modules, base.param_grads, trained,
-                                outside.param_step_peaks,
-                                unit_figures=[measurer.figures[name] for name, _ in ordered],
-                                suffix_peak=max(base.suffix.bwd_peak_bytes, 0),
-                                prefix_peak=max(base.prefix.bwd_peak_bytes, 0))
+            site = head_to_measure(settings.head, loop, model, sample_batch, through_head_loss)
+            fixed = fixed_bytes(model, optimizer) + batch_bytes(sample_batch, device)
+            with _out_of_memory_is_named("the code outside the units"):
+                bar.step("outside steps")
+                runs = measure_outside(
+                    runner, ordered, is_chain=trace.chain.is_chain, state=state, watch=watch,
+                    timed=TimedRuns(settings.warmup, settings.repeats, settings.tolerance),
+                    trained=trained, site=site,
+                    unit_figures=[measurer.figures[name] for name, _ in ordered])
     finally:
         bar.close()
 
+    # The head as it is when it was measured, else with the fewest chunks that fit.
+    top = runs[-1]
     measured = Measurements(
         units=ordered,
         chain=trace.chain,
-        base=base,
+        base=top.step,
         figures=measurer.figures,
         timings=measurer.timings,
-        outside=outside,
-        grads=places,
-        steps=steps,
+        outside=top.times,
+        grads=top.grads,
+        steps=top.steps,
         fixed_bytes=fixed,
         param_bytes=storage_bytes(model.parameters()),
         buffer_bytes=storage_bytes(model.buffers()),
@@ -340,6 +344,14 @@ def _profile(
               "pool_twins": settings.pool_twins, "profile_s": round(seconds, 3)},
     )
     result = _with_coverage(result, choice, measurer.figures, opts)
+    if site is not None:
+        variants = {run.chunks: build_profile(
+            replace(measured, base=run.step, outside=run.times, grads=run.grads,
+                    steps=run.steps),
+            device=device, dtype=result.dtype, shapes=result.input_shapes, meta={})
+            for run in runs if run.chunks is not None}
+        result = head_profile(result, site, model.get_submodule(site.name), variants,
+                              as_is=top.chunks is None)
     log.info(
         "profiled %d units of %s (%s, coverage %.0f%%) in %.2f s (%.1f steps): step %.2f ms "
         "(derived), outside step peak %d B", result.n, type(model).__name__,

@@ -31,6 +31,7 @@ _LAZY = {
     "compile_planned": ("remat.compiled", "compile_planned"),
     "estimate": ("remat.preflight", "estimate"),
     "optimizer_in_backward": ("remat.in_backward", "optimizer_in_backward"),
+    "head_loss": ("remat.execute.head", "head_loss"),
 }
 __all__ = ["ArgumentError", "BudgetError", "DeviceMemoryError", "InfeasibleBudgetError",
            "Loop", "Option", "Plan", "PlanMismatchError", "Profile", "RematError",

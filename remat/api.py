@@ -30,6 +30,7 @@ from remat.core.bytesize import format_bytes
 from remat.core.checks import (
     check_budget_arg,
     check_count,
+    check_head_setting,
     check_inputs,
     check_model,
     check_plan,
@@ -104,7 +105,8 @@ def _profile(model: nn.Module, sample_batch: Any, *, granularity: str,
         model, sample_batch, make, loss_fn=settings.get("loss_fn"),
         optimizer=settings.get("optimizer"), loop=loop_or_default(settings.get("loop")),
         units=settings.get("units"), options=settings.get("options"),
-        granularity=granularity, repeats=settings.get("repeats", 3))
+        granularity=granularity, repeats=settings.get("repeats", 3),
+        head=settings.get("head", "auto"))
 
 
 def _with_unit_type_counts(prof: Profile, model: nn.Module) -> Profile:
@@ -127,12 +129,13 @@ def _as_profile(
     options: Sequence[str] | None,
     loop: Loop | None = None,
     granularity: str = "blocks",
+    head: str = "auto",
 ) -> Profile:
     """``model_or_profile`` itself, or the profile of the model on ``sample_batch``."""
     if isinstance(model_or_profile, Profile):
         return model_or_profile
     return profile(model_or_profile, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
-                   units=units, options=options, loop=loop, granularity=granularity)
+                   units=units, options=options, loop=loop, granularity=granularity, head=head)
 
 
 def solve(
@@ -147,6 +150,7 @@ def solve(
     options: Sequence[str] | None = None,
     loop: Loop | None = None,
     granularity: str = "blocks",
+    head: str = "auto",
     verify: bool = True,
     verify_rounds: int = 3,
     verify_steps: int = 1,
@@ -187,6 +191,14 @@ def solve(
             inside a ``torch.autocast`` without ``loop=``, the loop is
             ``Loop(autocast=<its dtype>)`` (logged); a ``loop=`` with another autocast
             is refused (:mod:`remat.ambient`).
+        head: the output head and its loss computed over chunks of the tokens, so the
+            whole logits never exist, is a decision the solver makes where the budget
+            needs it (:mod:`remat.execute.head`): ``"auto"`` (default) offers it where
+            remat recognises the head (a Hugging Face causal LM trained on ``labels``,
+            or a model calling :func:`remat.head_loss`) and the loop drops the output
+            (``Loop(keep_output=False)``), since a chunked head returns no logits;
+            ``"chunked"`` offers it whatever the loop keeps (the loop does not read
+            the logits; an error where no head is recognised); ``"none"`` never.
         verify: with a model and a budget, apply the plan, measure one real step of
             the loop (the higher of the dispatch-level meter and the allocator's
             view), and when it is over the budget solve again for a budget lowered by
@@ -223,6 +235,7 @@ def solve(
     check_inputs("solve()", model_or_profile, sample_batch, loss_fn=loss_fn,
                   optimizer=optimizer, loop=loop)
     budget = check_budget_arg(memory_budget)  # read once, passed on
+    check_head_setting(head, "solve()")
     if compiled:
         check_method(method, {})
     else:
@@ -247,7 +260,7 @@ def solve(
         with planning(model_or_profile, loop, "solve()") as loop:
             prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,
                                optimizer=optimizer, units=units, options=options, loop=loop,
-                               granularity=granularity)
+                               granularity=granularity, head=head)
             if compiled:
                 from remat.compiled import solve_compiled
 
@@ -323,6 +336,7 @@ def pareto(
     options: Sequence[str] | None = None,
     loop: Loop | None = None,
     granularity: str = "blocks",
+    head: str = "auto",
 ) -> pd.DataFrame:
     """The optimal memory/time frontier, from the smallest feasible peak to no checkpointing.
 
@@ -330,8 +344,10 @@ def pareto(
     ``time_ms``, ``overhead_pct`` (against no checkpointing), ``algorithm``,
     ``plan`` (a summary) and ``kind`` (``"optimal"`` or ``"baseline"``); with
     ``baselines=True`` it also holds the points of no checkpointing, every block,
-    uniform segments and Chen's sqrt(n).
+    uniform segments and Chen's sqrt(n). ``head``: as for :func:`solve` (a chunked head
+    extends the frontier below what checkpointing the blocks reaches).
     """
+    check_head_setting(head, "pareto()")
     check_inputs("pareto()", model_or_profile, sample_batch, loss_fn=loss_fn,
                   optimizer=optimizer, loop=loop)
     check_count("points", points, lo=1, meaning="how many budgets to solve at",
@@ -345,7 +361,7 @@ def pareto(
         with planning(model_or_profile, loop, "pareto()") as loop:
             prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,
                                optimizer=optimizer, units=units, options=options, loop=loop,
-                               granularity=granularity)
+                               granularity=granularity, head=head)
     from remat.solver.pareto import pareto_frontier
 
     return pareto_frontier(prof, points=points, method=method, baselines=baselines)

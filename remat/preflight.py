@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from remat.core.bytesize import format_bytes
-from remat.core.checks import check_budget_arg, check_inputs
+from remat.core.checks import check_budget_arg, check_head_setting, check_inputs
 from remat.core.errors import InfeasibleBudgetError
 from remat.core.loop import Loop
 from remat.core.plan import Plan
 from remat.core.profile import Profile
+from remat.remedies import Remedy, checkpointing_only, floor_cause, lowest_peak_bytes, remedies
 from remat.solver.simulate import Simulation, simulate
 
 if TYPE_CHECKING:
@@ -62,13 +63,13 @@ class Verdict:
     time_ms: float | None = None
     peak_bytes: int | None = None
 
-    def describe(self, no_checkpoint: Peak, smallest: Peak) -> str:
+    def describe(self, no_checkpoint: Peak, lowest_bytes: int) -> str:
         head = f"budget {format_bytes(self.budget_bytes)}: {self.status}"
         if self.status == "fits":
             return f"{head} without checkpointing"
         if self.status == "does not fit":
-            short = smallest.bytes - self.budget_bytes
-            return (f"{head}: the smallest peak any plan reaches is {format_bytes(smallest.bytes)}"
+            short = lowest_bytes - self.budget_bytes
+            return (f"{head}: the smallest peak any plan reaches is {format_bytes(lowest_bytes)}"
                     f", {format_bytes(short)} above it; checkpointing only reduces activations")
         slowdown = 100 * ((self.time_ms or 0) / max(no_checkpoint.time_ms, 1e-9) - 1)
         return (f"{head}: optimal plan {self.plan}, predicted peak "
@@ -87,7 +88,12 @@ class Estimate:
         activations: the activation memory: the no-checkpoint peak above
             ``persistent``, what checkpointing trades (``"50%"`` budgets half of it).
         no_checkpoint: the peak without checkpointing (:class:`Peak`).
-        smallest: the smallest peak any plan reaches, and that plan.
+        smallest: the smallest peak checkpointing alone reaches (the units' options but
+            offload, the head as the model computes it), and that plan.
+        floor: what ``smallest`` is made of, in words (:func:`remat.remedies.floor_cause`).
+        remedies: for each remedy remat has (a chunked head, offload), the smallest peak
+            with it, predicted (:class:`remat.remedies.Remedy`).
+        lowest: the smallest peak remat reaches, every remedy measured included.
         verdict: the answer for ``memory_budget``, when one was given.
         loop, device: the loop and the device the profile is for.
     """
@@ -104,11 +110,18 @@ class Estimate:
     loop: Loop
     device: str
     verdict: Verdict | None = None
+    floor: str = ""
+    remedies: tuple[Remedy, ...] = ()
+    lowest: int | None = None
+
+    @property
+    def lowest_bytes(self) -> int:
+        return self.smallest.bytes if self.lowest is None else self.lowest
 
     def fits(self, budget: int | str) -> bool:
         """Whether some plan's predicted peak fits ``budget`` (bytes or ``"8GB"``; a
         percentage is taken of this estimate's activation memory)."""
-        return self.smallest.bytes <= self._bytes(budget)
+        return self.lowest_bytes <= self._bytes(budget)
 
     def _bytes(self, budget: int | str) -> int:
         checked = check_budget_arg(budget)
@@ -139,8 +152,12 @@ class Estimate:
             ("no-checkpoint peak", self.no_checkpoint.bytes,
              f"{self._predicted()}{self.no_checkpoint.where()}"),
             ("smallest peak", self.smallest.bytes,
-             f"{self.smallest.where()}; plan {self.smallest.plan}"),
+             f"checkpointing alone, {self.smallest.where()}; plan {self.smallest.plan}; "
+             f"set by {self.floor}"),
         ]
+        rows += [(f"with {r.name}", r.peak_bytes, r.note) for r in self.remedies
+                 if r.peak_bytes is not None]
+        rows.append(("lowest peak", self.lowest_bytes, "every remedy measured included"))
         if self.verdict is not None:
             rows.append(("budget", self.verdict.budget_bytes, self.verdict.status))
         return pd.DataFrame(
@@ -167,11 +184,16 @@ class Estimate:
             line("no-checkpoint peak", self.no_checkpoint.bytes,
                  f"{self._predicted()}{self.no_checkpoint.where()}"),
             line("smallest peak", self.smallest.bytes,
-                 f"{self.smallest.where()} (plan: {self.smallest.plan}; step "
-                 f"{slowdown:+.1f}% time)"),
+                 f"checkpointing alone, {self.smallest.where()} (plan: {self.smallest.plan}; "
+                 f"step {slowdown:+.1f}% time)"),
         ]
+        if self.floor:
+            lines.append(f"  set by {self.floor}")
+        if self.remedies:
+            lines.append("  below it (predicted):")
+            lines += [f"    {r.describe(self.smallest.bytes)}" for r in self.remedies]
         if self.verdict is not None:
-            lines.append(self.verdict.describe(self.no_checkpoint, self.smallest))
+            lines.append(self.verdict.describe(self.no_checkpoint, self.lowest_bytes))
         return "\n".join(lines)
 
 
@@ -185,6 +207,7 @@ def estimate(
     units: Any = None,
     options: Sequence[str] | None = None,
     memory_budget: int | str | None = None,
+    head: str = "auto",
 ) -> Estimate:
     """Predict what one training step of ``loop`` needs, before training.
 
@@ -197,6 +220,8 @@ def estimate(
             ``torch.autocast`` ``Loop(autocast=<its dtype>)`` (:mod:`remat.ambient`).
         loss_fn, units, options: as for :func:`remat.profile`.
         memory_budget: also answer whether this budget fits (bytes, ``"8GB"``, ``"60%"``).
+        head: measure a chunked head (``"auto"``, ``"chunked"``, ``"none"``), as for
+            :func:`remat.solve`.
 
     Returns:
         An :class:`Estimate`: ``print(est)`` reads it out, ``est.to_frame()`` tabulates it.
@@ -204,6 +229,7 @@ def estimate(
     check_inputs("estimate()", model_or_profile, sample_batch, loss_fn=loss_fn,
                   optimizer=optimizer, loop=loop)
     check_budget_arg(memory_budget)
+    check_head_setting(head, "estimate()")
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile
     else:
@@ -213,7 +239,7 @@ def estimate(
         # Inside a torch.autocast, the estimate is for that loop (remat.ambient).
         with planning(model_or_profile, loop, "estimate()") as loop:
             prof = profile(model_or_profile, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
-                           units=units, options=options, loop=loop)
+                           units=units, options=options, loop=loop, head=head)
     return estimate_profile(prof, memory_budget)
 
 
@@ -222,9 +248,11 @@ def estimate_profile(profile: Profile, memory_budget: int | str | None = None) -
     from remat.solver.min_peak import min_peak_plan
     from remat.solver.resolve import no_checkpoint
 
-    smallest_plan = min_peak_plan(profile)
+    alone = checkpointing_only(profile)
+    smallest_plan = min_peak_plan(alone)
     no_ckpt = Peak.of(no_checkpoint(profile), Plan.keep_all([u.name for u in profile.units]))
-    smallest = Peak.of(simulate(profile, smallest_plan), smallest_plan)
+    smallest_sim = simulate(alone, smallest_plan)
+    smallest = Peak.of(smallest_sim, smallest_plan)
     persistent = profile.persistent_bytes
     verdict = None
     if memory_budget is not None:
@@ -242,6 +270,9 @@ def estimate_profile(profile: Profile, memory_budget: int | str | None = None) -
         loop=profile.loop,
         device=profile.device,
         verdict=verdict,
+        floor=floor_cause(smallest_sim),
+        remedies=remedies(profile),
+        lowest=lowest_peak_bytes(profile),
     )
 
 

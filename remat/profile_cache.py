@@ -82,7 +82,7 @@ def _units_key(units: Any) -> Hashable:
 
 def cached_profile(model: Any, batch: Any, make: Callable[[], Profile], *, loss_fn: Any,
                    optimizer: Any, loop: Any, units: Any, options: Any, granularity: str,
-                   repeats: int) -> Profile:
+                   repeats: int, head: str = "auto") -> Profile:
     """The profile of ``model`` on ``batch`` for these settings: the cached one when every
     part of the key is unchanged (see the module docstring), else ``make()``'s, kept."""
     # Objects (the loss function, the optimizer) by identity: the key holds them, so an
@@ -90,7 +90,7 @@ def cached_profile(model: Any, batch: Any, make: Callable[[], Profile], *, loss_
     key = (_model_key(model), _batch_key(batch), loss_fn,
            (optimizer, bool(getattr(optimizer, "state", None))),
            loop, _units_key(units), None if options is None else tuple(map(str, options)),
-           granularity)
+           granularity, head)
     try:
         known = _cache.get(model)
     except TypeError:  # not weakly referenceable: no cache

@@ -32,6 +32,7 @@ from remat.core.errors import PlanMismatchError, RematError, RematWarning
 from remat.core.option import Option
 from remat.core.plan import Plan, PlanTarget
 from remat.execute.boundary import boundary_input
+from remat.execute.head import HeadSite
 from remat.execute.options import (
     SELECTIVE_SAVE_OPS,
     forward_with_option,
@@ -52,6 +53,7 @@ from remat.runtime.guard import (
     positional_names,
     replaced_units,
 )
+from remat.runtime.head import check_head, install_plan_head, remove_plan_head
 from remat.runtime.inplace import (
     InputWritten,
     NestedBackward,
@@ -94,6 +96,8 @@ class _RematState:
         # Per unit, the option it runs as when its first call found that it cannot run
         # the plan's (None: the plan's); see ``_probe``.
         self.runs_as: list[str | None] = [None] * len(modules)
+        # Where the plan's chunked head was installed (None: the head as it is).
+        self.head_site: HeadSite | None = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A model unpickled in a fresh process runs its segments eagerly there too.
@@ -103,6 +107,7 @@ class _RematState:
         self.__dict__.setdefault("plan_guard_id", None)
         self.__dict__.setdefault("output_watch_id", None)
         self.__dict__.setdefault("runs_as", [None] * len(self.modules))
+        self.__dict__.setdefault("head_site", None)
         if self.runner is not None:
             _disable_compile_for_segments()
 
@@ -346,6 +351,12 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False,
     ``torch.compile`` all work. Under ``torch.no_grad()`` or in eval mode nothing
     is checkpointed: plain forwards, at no cost.
 
+    A plan that chose a chunked head (``plan.head``) computes the model's head and
+    loss over chunks of the tokens while it is applied (:mod:`remat.execute.head`):
+    a Hugging Face causal LM then returns its loss with ``logits=None`` in training
+    (with ``labels``; its forward is as before without them, or without grad); a
+    model calling :func:`remat.head_loss` gets the same loss from it, chunked.
+
     Applying a second plan **replaces** the first (it is removed, then the new one
     applied). A model wrapped in ``DistributedDataParallel`` or ``torch.compile``
     is unwrapped: the plan goes on the inner model. ``nn.DataParallel`` is not
@@ -421,6 +432,7 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False,
     state = _RematState(plan, modules, saved, runner)
     for i, module in enumerate(modules):
         module.forward = _PlannedForward(state, i)
+    state.head_site = install_plan_head(target, plan)
     if runner is not None:
         handle = target.register_forward_hook(_SegmentGuard(runner), always_call=True)
         state.guard_hook_id = handle.id
@@ -459,6 +471,7 @@ def remove_plan(model: ModuleT) -> ModuleT:
             del module.__dict__["forward"]
         else:
             module.__dict__["forward"] = state.saved_forwards[i]
+    remove_plan_head(target, state.head_site)
     if state.guard_hook_id is not None:
         target._forward_hooks.pop(state.guard_hook_id, None)
         target._forward_hooks_always_called.pop(state.guard_hook_id, None)
@@ -519,6 +532,7 @@ def _validate(model: nn.Module, plan: Plan) -> list[nn.Module]:
     _check_depth(model, plan, modules)
     _check_options(plan)
     _check_device(model, plan)
+    check_head(model, plan)
     return modules
 
 

@@ -25,7 +25,7 @@ from remat.solver.baselines import (
     keep_all_plan,
     uniform_plan,
 )
-from remat.solver.min_peak import min_peak_bytes
+from remat.solver.heads import lowest_floor, solve_over_heads
 from remat.solver.resolve import no_checkpoint_peak_bytes
 from remat.solver.solve import algorithm
 
@@ -43,8 +43,9 @@ _TIME_TOLERANCE_MS = 1e-9
 
 
 def min_feasible_peak(profile: Profile) -> int:
-    """The smallest simulated peak of any plan (every option, every segment), in bytes."""
-    return min_peak_bytes(profile)
+    """The smallest simulated peak of any plan (every option, every segment, and every
+    chunk count of the head measured), in bytes."""
+    return lowest_floor(profile)[1]
 
 
 def _budgets(lo: int, hi: int, points: int) -> list[int]:
@@ -66,7 +67,7 @@ def _solved(profile: Profile, points: int, method: str) -> list[tuple[int, Plan]
     found = []
     for budget in _budgets(min_feasible_peak(profile), no_checkpoint_peak_bytes(profile), points):
         try:
-            found.append((budget, solve(profile, budget)))
+            found.append((budget, solve_over_heads(solve, profile, budget)))
         except InfeasibleBudgetError as err:
             log.info("pareto: %s cannot meet %d B: %s", method, budget, err)
     return found
@@ -91,7 +92,7 @@ def _frontier(solved: Sequence[tuple[int, Plan]]) -> list[tuple[int, Plan]]:
     kept: list[tuple[int, Plan]] = []
     seen = set()
     for k, (budget, plan) in enumerate(solved):
-        key = (plan.options, plan.segments)
+        key = (plan.options, plan.segments, plan.head)
         if key in seen:
             continue
         seen.add(key)

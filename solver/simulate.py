@@ -106,6 +106,7 @@ class Simulation:
 def check_plan_fits_profile(profile: Profile, plan: Plan) -> None:
     """Raise :class:`PlanMismatchError` unless ``plan`` can run on ``profile``'s units."""
     names = tuple(u.name for u in profile.units)
+    _check_head(profile, plan)
     if plan.unit_names != names:
         raise PlanMismatchError(
             f"the plan's units {list(plan.unit_names)[:4]}... do not match the profile's "
@@ -132,6 +133,25 @@ def check_plan_fits_profile(profile: Profile, plan: Plan) -> None:
                 f"{profile.units[k + 1].name!r}, which no segment may (the model's code keeps "
                 "that boundary, or a unit offers no 'checkpoint'); split the segment there"
             )
+
+
+def _check_head(profile: Profile, plan: Plan) -> None:
+    """A plan's chunked head must be the profile's, measured over its chunk count."""
+    chosen, head = plan.head, profile.head
+    if chosen is None:
+        return
+    if head is None:
+        raise PlanMismatchError(
+            f"the plan computes the head {chosen.name!r} over {chosen.chunks} chunks, and this "
+            "profile measured no chunked head; profile with head='auto' or head='chunked'")
+    if (chosen.name, chosen.kind, chosen.signature) != (head.name, head.kind, head.signature):
+        raise PlanMismatchError(
+            f"the plan's head is {chosen.name!r} ({chosen.kind}), and this profile's head is "
+            f"{head.name!r} ({head.kind}) with other parameters: solve a plan for this profile")
+    if chosen.chunks not in head.chunk_counts:
+        raise PlanMismatchError(
+            f"the plan computes the head over {chosen.chunks} chunks, and this profile measured "
+            f"it over {list(head.chunk_counts)}")
 
 
 class _Replay:
@@ -224,6 +244,10 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     the plan does not fit the profile.
     """
     check_plan_fits_profile(profile, plan)
+    # A chunked head changes the code outside the units: its variant's figures. (Where
+    # the head as it is was not measured, the profile's own figures are the fewest
+    # chunks', which every stamped plan carries: remat.solver.stamp.)
+    profile = profile.with_head(None if plan.head is None else plan.head.chunks)
     units = profile.units
     n = len(units)
     cost = [_effective_cost(profile, plan, i) for i in range(n)]

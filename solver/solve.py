@@ -23,6 +23,7 @@ from remat.solver.baselines import (
     uniform_plan,
 )
 from remat.solver.dp import solve_dp
+from remat.solver.heads import solve_over_heads
 from remat.solver.resolve import resolve_budget
 
 __all__ = [
@@ -136,7 +137,8 @@ def solve_profile(
     budget = None
     if memory_budget is not None:
         budget = resolve_budget(memory_budget, profile)
-    plan = fn(profile, budget, **params)
+    # With a chunked head measured, the head is a decision too: the fastest choice wins.
+    plan = solve_over_heads(fn, profile, budget, **params)
     log.info(
         "remat: %s plan for %d units, budget %s B: peak %s B, %.3f ms (%s, %.1f ms to solve)",
         method, profile.n, budget, plan.record.predicted_peak_bytes,

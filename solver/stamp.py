@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from remat.core.plan import Plan, PlanRecord, PlanTarget, Status
+from remat.core.plan import ChunkedHead, Plan, PlanRecord, PlanTarget, Status
 from remat.core.profile import UNIT_TYPE_COUNTS, OutsideCost, Profile
 from remat.solver.resolve import no_checkpoint_peak_bytes
 from remat.solver.simulate import simulate
@@ -34,6 +34,7 @@ def stamp_plan(
     a plan that peaks above ``budget`` is a bug, not a user error, and raises
     ``AssertionError``.
     """
+    plan = _with_required_head(profile, plan)
     sim = simulate(profile, plan)
     if budget is not None and sim.peak_bytes > budget:
         raise AssertionError(
@@ -58,6 +59,17 @@ def stamp_plan(
         unit_type_counts=_type_counts(profile),
     )
     return plan.with_(budget_bytes=budget, target=target, record=record)
+
+
+def _with_required_head(profile: Profile, plan: Plan) -> Plan:
+    """``plan``, computing the head over the chunks every plan of ``profile`` needs when
+    the head as it is did not fit the device while profiling (the profile's own figures
+    are then that variant's: :attr:`HeadProfile.as_is`)."""
+    head = profile.head
+    if plan.head is not None or head is None or head.required_chunks is None:
+        return plan
+    return plan.with_(head=ChunkedHead(head.name, head.kind, head.signature,
+                                       head.required_chunks))
 
 
 def activations_only(profile: Profile) -> Profile:
@@ -89,6 +101,10 @@ def activations_only(profile: Profile) -> Profile:
         optimizer_state_bytes=0,
         optimizer_step_peak_bytes=0,
         grad_in_flight_bytes=0,
+        head=None if profile.head is None else replace(profile.head, variants=tuple(
+            replace(v, prefix=no_grads(v.prefix), suffix=no_grads(v.suffix),
+                    grad_in_flight_bytes=0)
+            for v in profile.head.variants)),
     )
     # Kept on the (frozen) profile like its event model: every plan stamped from one
     # profile (a frontier, verification's rounds) reuses it and its event model.

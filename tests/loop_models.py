@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import remat
+
 
 @dataclass
 class Case:
@@ -154,6 +156,43 @@ def causal_lm(batch: int = 8, seq: int = 64) -> Case:
     ids = torch.randint(0, 512, (batch, seq))
     return Case(model, ids, lambda logits, b: F.cross_entropy(
         logits[:, :-1].flatten(0, 1), b[:, 1:].flatten()))
+
+
+class CausalLMWithLoss(CausalLM):
+    """The causal LM computing its own loss through ``remat.head_loss`` (so remat can
+    plan its head), untied, with a vocabulary large enough for the head to set the floor."""
+
+    def __init__(self, vocab: int = 2048) -> None:
+        super().__init__(vocab=vocab)
+        self.head = nn.Linear(self.head.in_features, vocab, bias=False)
+
+    def forward(self, ids: Tensor, labels: Tensor) -> Tensor:  # type: ignore[override]
+        s = ids.shape[1]
+        mask = torch.full((s, s), float("-inf"), device=ids.device).triu(1)
+        x = self.embed(ids) + self.pos(torch.arange(s, device=ids.device))
+        for block in self.blocks:
+            x = block(x, mask)
+        return remat.head_loss(self.head, self.norm(x)[:, :-1], labels[:, 1:])
+
+
+def causal_lm_head_loss(batch: int = 8, seq: int = 64) -> Case:
+    torch.manual_seed(0)
+    model = CausalLMWithLoss()
+    ids = torch.randint(0, 2048, (batch, seq))
+    return Case(model, (ids, ids), lambda loss, _b: loss)
+
+
+def hf_gpt2(batch: int = 4, seq: int = 64) -> Case:
+    """Hugging Face's GPT-2 (random weights), trained on ``labels``: its own loss."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=4096,
+                                     n_positions=seq, use_cache=False, bos_token_id=0,
+                                     eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 4096, (batch, seq))
+    return Case(model, {"input_ids": ids, "labels": ids}, None)
 
 
 # --------------------------------------------------------------------- CNN

@@ -73,6 +73,43 @@ def test_trainer_trains_under_the_plan(tmp_path: Path, caplog: pytest.LogCapture
     print("\n" + report.summary())
 
 
+def test_below_what_the_head_as_it_is_reaches_the_trainer_trains_with_a_chunked_head(
+        tmp_path: Path) -> None:
+    from remat import Loop, profile
+    from remat.solver import min_peak_bytes
+    from remat.solver.heads import lowest_floor
+
+    def big_vocabulary() -> GPT2LMHeadModel:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=64, n_head=2, vocab_size=4096,
+                                          n_positions=SEQ, use_cache=False, bos_token_id=0,
+                                          eos_token_id=0))
+
+    args = _args(tmp_path)
+    data = Tokens()
+    data.ids = data.ids * 32  # tokens across the whole vocabulary
+    probe = big_vocabulary()
+    batch = {"input_ids": data.ids[:4], "labels": data.ids[:4]}
+    prof = profile(probe, batch, loop=Loop.hf_trainer(args), repeats=1,
+                   optimizer=torch.optim.AdamW(probe.parameters()))
+    chunks, lowest = lowest_floor(prof)
+    budget = int(lowest * 1.05)
+    assert chunks is not None and budget < min_peak_bytes(prof)
+
+    model = big_vocabulary()
+    callback = RematCallback(memory_budget=budget)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    report = callback.report
+    assert report is not None and report.plan.head is not None
+    assert report.verified_peak_bytes is not None and report.verified_peak_bytes <= budget
+    step = report.trainer_step
+    assert step is not None and step.peak_bytes <= budget
+    assert abs(step.peak_bytes - report.predicted_peak_bytes) <= 0.01 * step.peak_bytes
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history
+               if "loss" in e)
+
+
 def test_hf_gradient_checkpointing_is_refused(tmp_path: Path) -> None:
     with pytest.raises(IntegrationError, match="recomputed twice"):
         Trainer(model=_model(), args=_args(tmp_path, gradient_checkpointing=True),

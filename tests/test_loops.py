@@ -7,7 +7,7 @@ between its stages. At five budgets from the smallest feasible peak to no
 checkpointing, ``remat.solve`` (which verifies its plan by measuring it) returns a
 plan whose step, measured again with both instruments (the dispatch-level meter
 and the allocator's view), is at or under the budget, and whose predicted peak is
-within 1% of the allocator's view; or, at the very bottom, it says the budget is
+within 1% of the higher of the two; or, at the very bottom, it says the budget is
 infeasible and names a larger smallest budget.
 """
 
@@ -22,6 +22,7 @@ import torch
 import remat
 from remat.profile_cache import forget_profiles
 from remat.solver import min_peak_bytes
+from remat.solver.pareto import min_feasible_peak
 from remat.solver.resolve import no_checkpoint_peak_bytes
 
 PEAK_TOLERANCE = 0.01
@@ -38,6 +39,12 @@ CASES: dict[str, tuple[Callable[[], lm.Case], remat.Loop, bool]] = {
     "CNN, downsampling between stages": (lm.staged_cnn, remat.Loop(), False),
     "encoder-decoder, encoder's last block output to every decoder block": (
         lambda: lm.encoder_decoder(enc_norm=False), remat.Loop(), False),
+    # A chunked head is offered (the loop drops the output): at the low budgets the
+    # plans compute the head and the loss over chunks.
+    "causal LM with remat.head_loss, loop drops the output, AdamW": (
+        lm.causal_lm_head_loss, remat.Loop(keep_output=False), True),
+    "Hugging Face GPT-2 on labels, loop drops the output": (
+        lm.hf_gpt2, remat.Loop(keep_output=False), False),
 }
 
 
@@ -54,7 +61,7 @@ def profiled(request):
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_measured_peak_stays_within_the_budget(profiled, fraction: float) -> None:
     case, loop, optimizer, profile = profiled
-    lo, hi = min_peak_bytes(profile), no_checkpoint_peak_bytes(profile)
+    lo, hi = min_feasible_peak(profile), no_checkpoint_peak_bytes(profile)
     assert lo < hi, "the test model leaves no room to plan"
     budget = lo + int(fraction * (hi - lo))
     try:
@@ -74,8 +81,11 @@ def test_measured_peak_stays_within_the_budget(profiled, fraction: float) -> Non
     finally:
         remat.remove_plan(case.model)
     assert measured.peak_bytes <= budget and measured.allocator_peak_bytes <= budget
-    error = abs(plan.record.predicted_peak_bytes - measured.allocator_peak_bytes)
-    assert error <= PEAK_TOLERANCE * measured.allocator_peak_bytes, (
+    # Against the higher of the two readings (what a budget must hold): on CPU the
+    # profiler behind the allocator's view now and then misses a few allocations of a
+    # step (seen once in a full suite run: 1.3% under the meter, never over it).
+    error = abs(plan.record.predicted_peak_bytes - measured.worst_peak_bytes)
+    assert error <= PEAK_TOLERANCE * measured.worst_peak_bytes, (
         plan.summary(), plan.record.predicted_peak_bytes, measured)
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "check_budget_arg",
     "check_budget_bytes",
     "check_count",
+    "check_head_setting",
     "check_inputs",
     "check_loop",
     "check_loss_fn",
@@ -173,6 +174,20 @@ def check_loop(loop: Any, where: str = "profile()") -> None:
         "remat.Loop.hf_trainer(training_args)" if hasattr(loop, "gradient_accumulation_steps")
         else "remat.Loop(accumulation_steps=..., autocast=...)")
     raise ArgumentError(f"{where}: loop must be a remat.Loop, got {_kind(loop)}; pass {hint}")
+
+
+# The head= settings (remat.profiler.heads measures what they ask for).
+HEAD_SETTINGS = ("auto", "chunked", "none")
+
+
+def check_head_setting(head: object, where: str = "profile()") -> str:
+    """``head`` is one of :data:`HEAD_SETTINGS`."""
+    if head not in HEAD_SETTINGS:
+        raise ArgumentError(
+            f"{where}: head={head!r} is not one of {list(HEAD_SETTINGS)}: 'auto' offers a chunked "
+            "head where remat recognises one and the loop drops the output, 'chunked' wherever "
+            "it recognises one, 'none' never")
+    return str(head)
 
 
 def check_budget_arg(budget: Any) -> Budget | None:

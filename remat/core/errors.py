@@ -80,6 +80,7 @@ class InfeasibleBudgetError(RematError):
     ) -> None:
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
+        self.detail = detail
         self.peak_event = peak_event
         self.peak_parts = dict(peak_parts or {})
         msg = (

@@ -43,6 +43,7 @@ from remat.core.option import OPTION_ORDER, Option
 
 __all__ = [
     "PLAN_SCHEMA_VERSION",
+    "ChunkedHead",
     "CompiledChoice",
     "Plan",
     "PlanRecord",
@@ -51,9 +52,10 @@ __all__ = [
     "Verification",
 ]
 
-# 3: the decision apart from its target, record, verification and compiled choice.
-PLAN_SCHEMA_VERSION = 3
-_READABLE_VERSIONS = (2, 3)  # version 2 (flat fields) is read and converted
+# 3: the decision apart from its target, record, verification and compiled choice;
+# 4: a chunked head (read: version 3, which has none; version 2, flat fields, converted)
+PLAN_SCHEMA_VERSION = 4
+_READABLE_VERSIONS = (2, 3, 4)
 
 
 class Status:
@@ -260,6 +262,37 @@ class CompiledChoice:
 
 
 @dataclass(frozen=True)
+class ChunkedHead:
+    """A plan's decision to compute the output head and its loss over chunks of the tokens
+    (:mod:`remat.execute.head`), and the head it was measured on.
+
+    Attributes:
+        name: the head module's qualified name (``"lm_head"``).
+        kind: ``"causal-lm"`` or ``"head_loss"`` (:class:`remat.core.profile.HeadProfile`).
+        signature: the head's parameter signature; the runtime refuses the plan on a
+            model whose head has other parameters.
+        chunks: how many chunks of the tokens the head and the loss run over.
+    """
+
+    name: str
+    kind: str
+    signature: str
+    chunks: int
+
+    def __post_init__(self) -> None:
+        for name in ("name", "kind", "signature"):
+            checked_str(getattr(self, name), f"Plan.head.{name}", PlanError)
+        _set(self, "chunks", checked_bytes(self.chunks, "Plan.head.chunks", PlanError,
+                                           hi=None, unit="chunks"))
+        if self.chunks < 2:
+            raise PlanError(f"Plan.head.chunks must be at least 2, got {self.chunks}")
+
+    @classmethod
+    def from_dict(cls, d: object) -> ChunkedHead:
+        return cls(**check_keys(d, cls, "the plan's 'head'", PlanError))
+
+
+@dataclass(frozen=True)
 class Plan:
     """Per-unit options and multi-unit checkpoint segments, for a budget.
 
@@ -271,6 +304,8 @@ class Plan:
             input is held, and the whole segment is recomputed once in its backward.
             Every unit in a segment has the option ``checkpoint``.
         budget_bytes: the budget it was solved for (``None`` when it had none).
+        head: the output head and its loss over chunks of the tokens
+            (:class:`ChunkedHead`); ``None``: the head as the model computes it.
         target: what it was made for (:class:`PlanTarget`).
         record: how it was produced and what was predicted (:class:`PlanRecord`).
         verification: what :func:`remat.solve` measured of it (``None``: not verified).
@@ -289,6 +324,7 @@ class Plan:
     record: PlanRecord = field(default_factory=PlanRecord)
     verification: Verification | None = None
     compiled: CompiledChoice | None = None
+    head: ChunkedHead | None = None
 
     def __post_init__(self) -> None:
         _set(self, "unit_names", checked_strings(self.unit_names, "Plan.unit_names", PlanError))
@@ -299,7 +335,8 @@ class Plan:
             if not isinstance(getattr(self, name), kind):
                 raise PlanError(f"Plan.{name} must be a {kind.__name__}, got "
                                 f"{type(getattr(self, name)).__name__}")
-        for name, kind in (("verification", Verification), ("compiled", CompiledChoice)):
+        for name, kind in (("verification", Verification), ("compiled", CompiledChoice),
+                           ("head", ChunkedHead)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise PlanError(f"Plan.{name} must be a {kind.__name__} or None, got "
@@ -358,6 +395,8 @@ class Plan:
         text = ", ".join(f"{o} {c}" for o, c in counts.items())
         if self.segments:
             text += ", segments " + " ".join(f"[{a}-{b}]" for a, b in self.segments)
+        if self.head is not None:
+            text += f", head {self.head.name} over {self.head.chunks} chunks"
         return text
 
     # -- building one ---------------------------------------------------------------
@@ -413,6 +452,7 @@ class Plan:
             "record": asdict(self.record),
             "verification": None if self.verification is None else asdict(self.verification),
             "compiled": None if self.compiled is None else asdict(self.compiled),
+            "head": None if self.head is None else asdict(self.head),
         }
 
     def to_json(self, path: JsonSource | None = None, *, indent: int = 1) -> str:
@@ -439,7 +479,8 @@ class Plan:
         d.pop("schema_version")
         d["target"] = PlanTarget.from_dict(d.get("target", {}))
         d["record"] = PlanRecord.from_dict(d.get("record", {}))
-        for name, kind in (("verification", Verification), ("compiled", CompiledChoice)):
+        for name, kind in (("verification", Verification), ("compiled", CompiledChoice),
+                           ("head", ChunkedHead)):
             if d.get(name) is not None:
                 d[name] = kind.from_dict(d[name])
         return cls(**d)

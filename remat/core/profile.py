@@ -19,7 +19,7 @@ rule above, which is what keeps adjacent units from being counted twice.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from remat.core.errors import ProfileError, RematError
@@ -48,6 +48,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "STEPS_IN_BACKWARD",
     "UNIT_TYPE_COUNTS",
+    "HeadProfile",
+    "HeadVariant",
     "OptionCost",
     "OutsideCost",
     "Profile",
@@ -56,8 +58,10 @@ __all__ = [
 ]
 
 # 2: the loop, shared tensors, kept output, autocast caches; 3: no measured unplanned peak
-# (the profiler never runs the unplanned step: simulate() predicts it)
-SCHEMA_VERSION = 3
+# (the profiler never runs the unplanned step: simulate() predicts it); 4: the head's
+# chunked variants (version 3 is read: it has none)
+SCHEMA_VERSION = 4
+_READABLE_VERSIONS = (3, 4)
 
 # ``Profile.meta`` key: ``{unit class name: how many modules of that class the model had}``,
 # recorded by ``remat.profile()``; solved plans carry it (``PlanTarget.unit_type_counts``)
@@ -323,6 +327,116 @@ class SharedTensor:
 
 
 @dataclass(frozen=True)
+class HeadVariant:
+    """The step with the output head and its loss computed over ``chunks`` chunks of the
+    tokens (:mod:`remat.execute.head`), measured: the figures of the profile it changes.
+
+    Only the code outside the units changes (the head and the loss are the suffix), so a
+    variant is what the outside step measured under it: ``prefix``, ``suffix`` and the
+    :class:`Profile` fields of the same names, and whether the suffix holds the last
+    unit's output (``last_output_held_outside``). ``step_ms`` is never below the
+    profile's: chunking recomputes the head's projection, it cannot make it faster, so
+    a timing noise never makes the solver choose it where the budget does not need it.
+    """
+
+    chunks: int
+    prefix: OutsideCost
+    suffix: OutsideCost
+    loss_bytes: int
+    output_bytes: int
+    carried_bytes: int
+    grad_in_flight_bytes: int
+    last_output_kept: bool
+    last_output_held_outside: bool
+    step_ms: float
+
+    def __post_init__(self) -> None:
+        _set(self, "chunks", checked_bytes(self.chunks, "HeadVariant.chunks", ProfileError,
+                                           hi=None, unit="chunks"))
+        if self.chunks < 2:
+            raise ProfileError(f"HeadVariant.chunks must be at least 2, got {self.chunks}")
+        for name in ("prefix", "suffix"):
+            if not isinstance(getattr(self, name), OutsideCost):
+                raise ProfileError(f"HeadVariant.{name} must be an OutsideCost, got "
+                                   f"{type(getattr(self, name)).__name__}")
+        _check_fields(self, ints=_VARIANT_INTS,
+                      bools=("last_output_kept", "last_output_held_outside"),
+                      floats=("step_ms",))
+
+
+@dataclass(frozen=True)
+class HeadProfile:
+    """The model's output head, where remat can chunk it, and its measured variants.
+
+    Attributes:
+        name: the head module's qualified name (``"lm_head"``).
+        kind: how its loss is recognised: ``"causal-lm"`` (a Hugging Face causal LM's
+            own shifted cross entropy) or ``"head_loss"`` (the model calls
+            :func:`remat.head_loss`).
+        signature: the head's parameter signature (:mod:`remat.execute.structure`), so
+            that a plan choosing a chunked head is refused on a model whose head changed.
+        variants: one :class:`HeadVariant` per chunk count measured, ascending.
+        as_is: the head as the model computes it was measured, and the profile's own
+            figures are its. ``False``: it did not fit the device while profiling (the
+            variants, more frugal, were measured first), so the profile's own figures
+            are those of the fewest chunks measured, and every plan computes the head
+            over chunks (:func:`remat.solver.stamp.stamp_plan` sees to it).
+    """
+
+    name: str
+    kind: str
+    signature: str
+    variants: tuple[HeadVariant, ...]
+    as_is: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("name", "kind", "signature"):
+            checked_str(getattr(self, name), f"HeadProfile.{name}", ProfileError)
+        _set(self, "variants", tuple(checked_list(self.variants, "HeadProfile.variants",
+                                                  ProfileError)))
+        for k, v in enumerate(self.variants):
+            if not isinstance(v, HeadVariant):
+                raise ProfileError(f"HeadProfile.variants[{k}] must be a HeadVariant, got "
+                                   f"{type(v).__name__}")
+        _set(self, "as_is", checked_bool(self.as_is, "HeadProfile.as_is", ProfileError))
+        if not self.variants:
+            raise ProfileError("HeadProfile.variants must hold at least one variant")
+        counts = [v.chunks for v in self.variants]
+        if counts != sorted(set(counts)):
+            raise ProfileError(f"HeadProfile.variants must have distinct chunk counts in "
+                               f"ascending order, got {counts}")
+
+    @property
+    def chunk_counts(self) -> tuple[int, ...]:
+        return tuple(v.chunks for v in self.variants)
+
+    @property
+    def required_chunks(self) -> int | None:
+        """The chunk count every plan needs at least (``None``: the head as it is will
+        do): the fewest measured, where the head as it is did not fit."""
+        return None if self.as_is else self.variants[0].chunks
+
+    def variant(self, chunks: int) -> HeadVariant:
+        for v in self.variants:
+            if v.chunks == chunks:
+                return v
+        raise ProfileError(f"the head {self.name!r} was not measured over {chunks} chunks; "
+                           f"it was over {list(self.chunk_counts)}")
+
+    @classmethod
+    def from_dict(cls, d: object, where: str = "the profile's 'head'") -> HeadProfile:
+        d = check_keys(d, cls, where, ProfileError)
+        variants = []
+        for k, v in enumerate(checked_list(d["variants"], f"{where} variants", ProfileError)):
+            at = f"{where} variants[{k}]"
+            fields = check_keys(v, HeadVariant, at, ProfileError)
+            variants.append(_build(HeadVariant, fields, at, **{
+                name: _build(OutsideCost, fields[name], f"{at} {name}")
+                for name in ("prefix", "suffix")}))
+        return _build(cls, d, where, variants=tuple(variants))
+
+
+@dataclass(frozen=True)
 class Profile:
     """A model's measured training step, unit by unit.
 
@@ -379,6 +493,9 @@ class Profile:
             puts the figures behind it in ``meta``: ``activation_bytes``,
             ``covered_bytes``, ``unit_activation_bytes`` (per unit) and ``uncovered``
             (the largest holders outside the units, ``[module, bytes]``).
+        head: the output head remat can chunk, and what each chunk count measured
+            (:class:`HeadProfile`); ``None`` when it recognised none or was not asked to
+            measure it. A plan choosing a chunk count is costed on :meth:`with_head`.
 
     Every byte figure here and in the units is an int in ``[0, MAX_BYTES]``, every
     time a finite float in ``[0, MAX_MS]`` milliseconds; anything else (a string,
@@ -408,9 +525,13 @@ class Profile:
     grad_in_flight_bytes: int = 0
     batch_bytes: int = 0
     coverage: float | None = None
+    head: HeadProfile | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", checked_list(self.units, "Profile.units", ProfileError))
+        if self.head is not None and not isinstance(self.head, HeadProfile):
+            raise ProfileError(f"Profile.head must be a HeadProfile or None, got "
+                               f"{type(self.head).__name__}")
         if self.coverage is not None:
             _set(self, "coverage", checked_ms(self.coverage, "Profile.coverage", ProfileError,
                                               hi=1.0, unit="a share of the activation bytes"))
@@ -461,6 +582,31 @@ class Profile:
     @property
     def n(self) -> int:
         return len(self.units)
+
+    def with_head(self, chunks: int | None) -> Profile:
+        """This step with the head over ``chunks`` chunks (``None``: as measured): the
+        variant's figures in place of the outside code's, and no head to choose.
+
+        Cached on the (frozen) profile, so every plan costed on one variant shares its
+        event model.
+        """
+        if chunks is None:
+            return self
+        if self.head is None:
+            raise ProfileError(f"this profile measured no chunked head, so none over {chunks} "
+                               "chunks can be costed on it; profile with head='auto' (a loop "
+                               "that does not keep the output) or head='chunked'")
+        cache = self.__dict__.setdefault(_HEAD_CACHE, {})
+        if chunks not in cache:
+            v = self.head.variant(chunks)
+            last = replace(self.units[-1], output_held_outside=v.last_output_held_outside)
+            cache[chunks] = replace(
+                self, units=(*self.units[:-1], last), prefix=v.prefix, suffix=v.suffix,
+                loss_bytes=v.loss_bytes, output_bytes=v.output_bytes,
+                carried_bytes=v.carried_bytes, grad_in_flight_bytes=v.grad_in_flight_bytes,
+                last_output_kept=v.last_output_kept, step_ms=v.step_ms, head=None,
+                meta={**self.meta, "head_chunks": chunks})
+        return cache[chunks]
 
     @property
     def fixed_bytes(self) -> int:
@@ -623,6 +769,7 @@ class Profile:
         d["meta"] = dict(self.meta)
         d["loop"] = self.loop.to_dict()
         d["shared"] = [asdict(t) for t in self.shared]
+        d["head"] = None if self.head is None else asdict(self.head)
         return {"schema_version": SCHEMA_VERSION, **d}
 
     def to_json(self, path: JsonSource | None = None, *, indent: int = 1) -> str:
@@ -636,10 +783,11 @@ class Profile:
             raise ProfileError(f"a profile is a JSON object (a dict), got {type(d).__name__}")
         refuse_other_kind(d, "profile", ProfileError)
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise ProfileError(
                 f"profile schema_version {version!r} is not supported (this remat reads "
-                f"version {SCHEMA_VERSION}); profile the model again with this version"
+                f"versions {list(_READABLE_VERSIONS)}); profile the model again with this "
+                "version"
             )
         d = check_keys(d, cls, "the profile", ProfileError, extra=("schema_version",))
         d.pop("schema_version")
@@ -653,6 +801,8 @@ class Profile:
                 d["loop"] = Loop.from_dict(d["loop"])
             except RematError as err:
                 raise ProfileError(f"the profile's 'loop': {err}") from None
+        if d.get("head") is not None:
+            d["head"] = HeadProfile.from_dict(d["head"])
         if "shared" in d:
             d["shared"] = tuple(
                 _build(SharedTensor, t, f"the profile's shared[{k}]")
@@ -682,6 +832,8 @@ _OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 _OPTION_BOOLS = ("holds_input", "holds_output")
 _UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes",
               "autocast_cache_bytes")
+_VARIANT_INTS = ("loss_bytes", "output_bytes", "carried_bytes", "grad_in_flight_bytes")
+_HEAD_CACHE = "_remat_head_variants"
 _UNIT_BOOLS = ("input_held_outside", "output_held_outside", "input_kept_by_caller")
 _OUTSIDE_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "param_grad_bytes")
 _PROFILE_INTS = (
