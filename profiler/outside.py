@@ -7,12 +7,12 @@ gradients appear (:mod:`.grads`), with each phase's backward peak in a loop that
 the optimizer in backward (:func:`~.grads.place_steps`, from the per-parameter step peaks
 the first run metered: a head changes the micro-batch, not the optimizer). The most
 frugal runs first: the head over the most chunks, then fewer, then the head as it is,
-which holds the whole logits. On a device
-too small for the head as it is (the reason a user plans), a run that runs out of memory
-after a smaller one was measured ends the measurements: what it and the ones after
-would hold does not fit, so no plan may use them (the profile says the head as it is
-was not measured: :attr:`remat.core.profile.HeadProfile.as_is`). Only when the most
-frugal run does not fit is it an error.
+which holds the whole logits. On a device too small for the head as it is (the reason
+a user plans), a run that runs out of memory after a smaller one was measured ends the
+measurements: what it and the ones after would hold does not fit, so no plan may use
+them (the profile says the head as it is was not measured:
+:attr:`remat.core.profile.HeadProfile.as_is`). Only when the most frugal run does not
+fit is it an error.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def time_outside(
     the optimizer out (its figures 0, no parameter's step metered): a variant of the
     outside code (a chunked head) changes the micro-batch, not the optimizer's step."""
     stepping = optimizer and runner.optimizer is not None
-    steps, why = _param_steps(runner) if stepping else (None, "not measured in this run")
+    steps, why = (_param_steps(runner) if stepping else
+                  (None, "no optimizer" if runner.optimizer is None else "not in this run"))
     whole = 2 if stepping else 0  # metered whole steps
     metered = whole + (steps is not None)
     param_peaks: dict[int, int] = {}

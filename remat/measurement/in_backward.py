@@ -22,6 +22,9 @@ passes of the steps it measures; ``remat.optimizer_in_backward`` installs them f
 training. While remat measures a model, the hooks the user installed are suspended
 (:func:`suspended`, entered by :func:`~remat.measurement.state.training_session`): remat
 runs the loop it was told, and must not step the user's model behind its own back.
+:func:`steps_in_backward` tells the planned model's loop checks
+(:mod:`remat.runtime.guard`) whether a parameter is stepped in backward: hooks are
+installed on it, or remat is measuring it (its steps install their own).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 from remat.core.errors import ArgumentError
 
-__all__ = ["ParamSteps", "installed_on", "suspended"]
+__all__ = ["ParamSteps", "installed_on", "steps_in_backward", "suspended"]
 
 # Classes of torch.optim that take params and hyperparameters but cannot be split.
 _REFUSED = {
@@ -47,6 +50,8 @@ _NOT_HYPERPARAMETERS = ("params", "param_names")
 
 # Every ParamSteps whose hooks are installed (remat's measured steps and the user's).
 _INSTALLED: weakref.WeakSet[ParamSteps] = weakref.WeakSet()
+# id(param) -> how many measuring sessions (nested) hold it: remat runs its own loop there.
+_MEASURED: dict[int, int] = {}
 
 
 def _refusal(optimizer: Any) -> str | None:
@@ -128,6 +133,9 @@ class ParamSteps:
             {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS})
         own.state = self.optimizer.state
         own.step()
+        # The user's optimizer is never stepped itself: an LR scheduler on it checks this
+        # flag (set by its wrapper of optimizer.step) and would warn that it steps first.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _hook(self, param: torch.Tensor) -> None:
         if self.active:
@@ -172,15 +180,31 @@ def installed_on(params: Iterable[torch.Tensor]) -> list[ParamSteps]:
     return [s for s in list(_INSTALLED) if any(id(p) in ids for p in s.params)]
 
 
+def steps_in_backward(param: torch.Tensor) -> bool:
+    """Whether ``param`` is stepped in backward now: hooks are installed on it (active or
+    suspended), or remat is measuring it (:func:`suspended`), whose measured steps run
+    the loop they were told. A few set look-ups: the planned model's forward asks."""
+    return id(param) in _MEASURED or any(s.covers(param) for s in list(_INSTALLED))
+
+
 @contextlib.contextmanager
 def suspended(params: Iterable[torch.Tensor]) -> Iterator[list[ParamSteps]]:
     """Inside the block, the installed hooks that step any of ``params`` do nothing (remat
-    measures the loop it was told); yields them."""
+    measures the loop it was told), and :func:`steps_in_backward` says they are stepped;
+    yields the hooks suspended."""
+    params = list(params)
     found = [s for s in installed_on(params) if s.active]
     for s in found:
         s.active = False
+    ids = [id(p) for p in params]
+    for i in ids:
+        _MEASURED[i] = _MEASURED.get(i, 0) + 1
     try:
         yield found
     finally:
         for s in found:
             s.active = True
+        for i in ids:
+            left = _MEASURED.pop(i) - 1
+            if left:
+                _MEASURED[i] = left
