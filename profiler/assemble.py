@@ -28,10 +28,17 @@ from torch import nn
 
 from remat.core.loop import Loop
 from remat.core.option import Option
-from remat.core.profile import OptionCost, OutsideCost, Profile, SharedTensor, UnitProfile
+from remat.core.profile import (
+    STEPS_IN_BACKWARD,
+    OptionCost,
+    OutsideCost,
+    Profile,
+    SharedTensor,
+    UnitProfile,
+)
 from remat.execute.structure import unit_signature
 from remat.profiler.capture import ChainCheck
-from remat.profiler.grads import GradPlaces
+from remat.profiler.grads import GradPlaces, StepPlaces
 from remat.profiler.instrument import OutsideStep, UnitInStep
 from remat.profiler.outside_time import OutsideTimes
 from remat.profiler.replay import OptionFigures, UnitTiming
@@ -56,6 +63,7 @@ class Measurements:
     loop: Loop = field(default_factory=Loop)
     batch_bytes: int = 0
     inputs_kept_by_caller: list[bool] = field(default_factory=list)
+    steps: StepPlaces | None = None  # backward peaks when stepping in backward, per place
 
 
 def input_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
@@ -124,6 +132,7 @@ def _unit_profile(
     figures: dict[str, OptionFigures],
     timing: UnitTiming,
     param_grad_bytes: int,
+    stepped: Mapping[str, int | None],
 ) -> UnitProfile:
     keep_ms = timing.total_ms[Option.KEEP]
     costs = {
@@ -134,6 +143,7 @@ def _unit_profile(
             fwd_peak_bytes=f.fwd_peak_bytes,
             bwd_peak_bytes=f.bwd_peak_bytes,
             extra_ms=_extra_ms(o, timing, keep_ms),
+            stepped_bwd_peak_bytes=stepped.get(o),
         )
         for o, f in figures.items()
     }
@@ -169,9 +179,11 @@ def build_profile(
         base.units, [m.figures[n][Option.KEEP].holds_input for n, _ in m.units], m.chain.is_chain
     )
     kept = m.inputs_kept_by_caller or [False] * len(m.units)
+    steps = m.steps or StepPlaces(tuple({} for _ in m.units), base.suffix.bwd_peak_bytes,
+                                  base.prefix.bwd_peak_bytes)
     units = [
         replace(_unit_profile(name, module, in_step[i], m.figures[name], m.timings[name],
-                              m.grads.units[i]),
+                              m.grads.units[i], steps.units[i]),
                 input_kept_by_caller=kept[i])
         for i, (name, module) in enumerate(m.units)
     ]
@@ -197,6 +209,7 @@ def build_profile(
             param_grad_bytes=m.grads.prefix_bytes,
             fwd_ms=fwd_ms["prefix"],
             bwd_ms=bwd_ms["prefix"],
+            stepped_bwd_peak_bytes=max(steps.prefix_bytes, 0),
         ),
         suffix=OutsideCost(
             held_bytes=base.suffix.held_bytes,
@@ -205,6 +218,7 @@ def build_profile(
             param_grad_bytes=m.grads.suffix_bytes,
             fwd_ms=fwd_ms["suffix"],
             bwd_ms=bwd_ms["suffix"],
+            stepped_bwd_peak_bytes=max(steps.suffix_bytes, 0),
         ),
         param_bytes=m.param_bytes,
         buffer_bytes=m.buffer_bytes,
@@ -236,5 +250,8 @@ def build_profile(
             "step_ms": "derived",
             "no_checkpoint_peak": "predicted",
             "chain_breaks": list(m.chain.breaks),
+            # Whether each parameter's own step was metered (what stepping the optimizer
+            # in backward adds), or why not.
+            STEPS_IN_BACKWARD: outside.param_steps,
         },
     )

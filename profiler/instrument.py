@@ -20,7 +20,9 @@ most frugal plan.
   parameter used twice (a tied embedding) has its contributions summed before
   ``AccumulateGrad`` runs once, at the earlier user's backward, but a gradient-sized
   buffer is alive from the later user's backward (the first to run) on, and that is
-  what the live bytes see.
+  what the live bytes see. The live bytes when ``.grad`` receives it, above the start of
+  that phase, are kept too: stepping the parameter there, in a loop that steps in
+  backward, adds its step's own peak to them (:mod:`.grads`).
 
 Figures are then read off the per-storage timeline, so that ``simulate()`` adding
 them to the units' isolated figures reproduces the step. In particular
@@ -74,12 +76,16 @@ class ParamGrad:
     """A parameter the outside code gave a gradient in the step: its ``id``, the bytes of
     its gradient, and the backward phase of its first contribution (``("suffix",)``, or
     ``("outside", i)``: after unit i's backward, the prefix for i = 0); ``in_flight``: its
-    contributions were summed in a buffer across phases (a tied embedding)."""
+    contributions were summed in a buffer across phases (a tied embedding); ``ready_phase``
+    and ``ready_bytes``: the phase in which ``.grad`` received the sum, and the live bytes
+    then above that phase's start (``None``: not seen)."""
 
     param_id: int
     nbytes: int
     phase: Phase
     in_flight: bool = False
+    ready_phase: Phase | None = None
+    ready_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,7 @@ class _StepWatch:
         self.backward_marks: list[tuple[str, _UnitWatch, _Mark]] = []  # in the order made
         self.first_grad_tick: dict[int, int] = {}  # id(param) -> clock at its first gradient
         self.accumulated_tick: dict[int, int] = {}  # id(param) -> clock when .grad got it
+        self.accumulated_live: dict[int, int] = {}  # id(param) -> live bytes then
         self.side_users: dict[int, list[int]] = {}  # storage record -> units handed it
         self.side_grad: dict[int, int] = {}  # storage record -> bytes of its gradient
         self.handles: list[Any] = []
@@ -266,6 +273,7 @@ class _StepWatch:
     def accumulated(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: when ``param.grad`` received its gradient."""
         self.accumulated_tick.setdefault(id(param), self.meter.clock)
+        self.accumulated_live.setdefault(id(param), self.meter.live_bytes)
 
     # -- saved tensors ------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -340,7 +348,7 @@ def instrumented_step(
             for p in model.parameters():
                 if p.requires_grad:
                     watch.handles.append(p.register_post_accumulate_grad_hook(watch.accumulated))
-            runner.backward(loss)
+            runner.backward(loss, release=False)  # plain: the steps are metered apart
             del loss
             watch.backward_end = watch.mark()
             in_flight: dict[int, tuple[int, int]] = {}  # record -> (first tick, tick in .grad)
@@ -371,9 +379,28 @@ def instrumented_step(
     grads = tuple(
         ParamGrad(param_id, meter.records[rec].nbytes, watch.backward_phase(tick),
                   watch.backward_phase(in_flight[rec][0])
-                  != watch.backward_phase(in_flight[rec][1]))
+                  != watch.backward_phase(in_flight[rec][1]),
+                  *_ready(watch, param_id))
         for rec, (tick, param_id) in grad_records.items())
     return replace(step, loss_storage_bytes=loss_storage_bytes, param_grads=grads)
+
+
+def _ready(w: _StepWatch, param_id: int) -> tuple[Phase | None, int]:
+    """The phase in which the parameter's ``.grad`` received its gradient, and the live
+    bytes then above that phase's start (see :class:`ParamGrad`)."""
+    tick = w.accumulated_tick.get(param_id)
+    if tick is None:
+        return None, 0
+    phase = w.backward_phase(tick)
+    if phase == ("suffix",):
+        start = w.forward_end
+    elif phase[0] == "unit":
+        start = w.units[phase[1]].bwd_start
+    else:  # ("outside", i): after unit i's backward
+        start = w.units[phase[1]].bwd_end
+    if start is None:
+        return None, 0
+    return phase, max(w.accumulated_live[param_id] - start.live_bytes, 0)
 
 
 def _hook_gradient_producers(

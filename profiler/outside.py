@@ -3,13 +3,16 @@ measured (:mod:`.heads`), with it over each chunk count.
 
 Each measurement is the outside time's stub steps (:mod:`.outside_time`) and one
 instrumented stub step (:mod:`.instrument`), and where the outside code's parameter
-gradients appear (:mod:`.grads`). The most frugal runs first: the head over the most
-chunks, then fewer, then the head as it is, which holds the whole logits. On a device
-too small for the head as it is (the reason a user plans), a run that runs out of memory
-after a smaller one was measured ends the measurements: what it and the ones after
-would hold does not fit, so no plan may use them (the profile says the head as it is
-was not measured: :attr:`remat.core.profile.HeadProfile.as_is`). Only when the most
-frugal run does not fit is it an error.
+gradients appear (:mod:`.grads`), with each phase's backward peak in a loop that steps
+the optimizer in backward (:func:`~.grads.place_steps`, from the per-parameter step peaks
+the first run metered: a head changes the micro-batch, not the optimizer). The most
+frugal runs first: the head over the most chunks, then fewer, then the head as it is,
+which holds the whole logits. On a device too small for the head as it is (the reason
+a user plans), a run that runs out of memory after a smaller one was measured ends the
+measurements: what it and the ones after would hold does not fit, so no plan may use
+them (the profile says the head as it is was not measured:
+:attr:`remat.core.profile.HeadProfile.as_is`). Only when the most frugal run does not
+fit is it an error.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from remat.execute.head import HeadSite, chunk_counts, chunked_head
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import ModelState, clear_grads
 from remat.measurement.timing import Stopwatch
-from remat.profiler.grads import GradPlaces, place_grads
+from remat.profiler.grads import GradPlaces, StepPlaces, place_grads, place_steps
 from remat.profiler.instrument import OutsideStep, instrumented_step
 from remat.profiler.outside_time import OutsideTimes, time_outside
+from remat.profiler.replay import OptionFigures
 
 __all__ = ["OutsideRun", "TimedRuns", "measure_outside"]
 
@@ -41,6 +45,7 @@ class OutsideRun:
     step: OutsideStep
     times: OutsideTimes
     grads: GradPlaces
+    steps: StepPlaces
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ def measure_outside(
     timed: TimedRuns,
     trained: dict[int, frozenset[int]],
     site: HeadSite | None,
+    unit_figures: list[dict[str, OptionFigures]],
 ) -> list[OutsideRun]:
     """The runs that fit, most frugal first (see the module docstring). The optimizer's
     figures are the first run's (a head changes the micro-batch, not the optimizer).
@@ -75,7 +81,7 @@ def measure_outside(
     for chunks in choices:
         try:
             run = _measure(runner, ordered, is_chain, state, watch, timed, trained, site,
-                           chunks, optimizer=not runs)
+                           chunks, unit_figures, first=runs[0].times if runs else None)
         except torch.OutOfMemoryError:
             if not runs:
                 raise
@@ -84,12 +90,6 @@ def measure_outside(
             log.info("remat: the head %s does not fit the device: plans compute it over at "
                      "least %d chunks", what, runs[-1].chunks)
             break
-        if runs:  # the optimizer's figures, taken once
-            first = runs[0].times
-            run = replace(run, times=replace(
-                run.times, optimizer_ms=first.optimizer_ms,
-                optimizer_state_bytes=first.optimizer_state_bytes,
-                optimizer_step_peak_bytes=first.optimizer_step_peak_bytes))
         runs.append(run)
     return runs
 
@@ -97,22 +97,35 @@ def measure_outside(
 def _measure(
     runner: StepRunner, ordered: list[tuple[str, nn.Module]], is_chain: bool,
     state: ModelState, watch: Stopwatch, timed: TimedRuns, trained: dict[int, frozenset[int]],
-    site: HeadSite | None, chunks: int | None, *, optimizer: bool,
+    site: HeadSite | None, chunks: int | None,
+    unit_figures: list[dict[str, OptionFigures]], *, first: OutsideTimes | None,
 ) -> OutsideRun:
+    """One run; ``first``: the first run's times, whose optimizer figures (taken once)
+    this one reuses."""
     modules = [m for _, m in ordered]
     try:
         with chunked_head(runner.model, site, chunks):
             times = time_outside(runner, modules, state, watch, warmup=timed.warmup,
                                  repeats=timed.repeats, tolerance=timed.tolerance,
-                                 optimizer=optimizer)
+                                 optimizer=first is None)
             state.rng.restore()
             state.restore_buffers()
             watch.sync()
             step = instrumented_step(runner, ordered, is_chain=is_chain)
     finally:
         _reset(state)
+    if first is not None:
+        times = replace(
+            times, optimizer_ms=first.optimizer_ms,
+            optimizer_state_bytes=first.optimizer_state_bytes,
+            optimizer_step_peak_bytes=first.optimizer_step_peak_bytes,
+            param_step_peaks=first.param_step_peaks, param_steps=first.param_steps)
     grads = place_grads(state.params, modules, step.param_grads, trained)
-    return OutsideRun(chunks, step, times, grads)
+    steps = place_steps(state.params, modules, step.param_grads, trained,
+                        times.param_step_peaks, unit_figures=unit_figures,
+                        suffix_peak=max(step.suffix.bwd_peak_bytes, 0),
+                        prefix_peak=max(step.prefix.bwd_peak_bytes, 0))
+    return OutsideRun(chunks, step, times, grads, steps)
 
 
 def _reset(state: ModelState) -> None:

@@ -7,14 +7,23 @@ step's. The optimizer's figures are taken on the same steps: the first creates i
 (unless it has some already), the second is steady; each ``optimizer.step()`` is metered,
 its peak taken above the bytes alive when it starts, with every parameter's gradient
 alive as in a real step (:func:`~remat.profiler.stub.give_missing_grads`).
+
+Where the optimizer can be stepped one parameter at a time (:mod:`remat.measurement.in_backward`),
+a third metered step meters each parameter's own step alone (its gradient alive, the state
+there): what stepping it in backward adds (``Loop(optimizer_in_backward=True)``). These
+figures are taken whatever the loop, so one profile predicts both loops; the steps are
+timed as the loop runs them (the whole optimizer step, or one per parameter).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from torch import nn
 
+from remat.core.errors import ArgumentError
+from remat.measurement.in_backward import ParamSteps
 from remat.measurement.meter import MemoryMeter
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import ModelState, clear_grads
@@ -30,8 +39,12 @@ class OutsideTimes:
     """Medians over the timed stub steps, in milliseconds, and the optimizer's figures.
 
     ``forward_ms`` / ``backward_ms``: one micro-batch's outside code (the stubs' own time
-    taken out); ``optimizer_ms``: ``optimizer.step()`` and ``zero_grad``;
-    ``optimizer_state_bytes`` / ``optimizer_step_peak_bytes``: see the module docstring.
+    taken out); ``optimizer_ms``: ``optimizer.step()`` and ``zero_grad`` (or every
+    parameter's own step, in a loop that steps in backward);
+    ``optimizer_state_bytes`` / ``optimizer_step_peak_bytes``: see the module docstring;
+    ``param_step_peaks``: per ``id(parameter)``, the peak of its own step above the bytes
+    alive when it starts; ``param_steps``: ``"measured"``, or why not (no optimizer, one
+    that cannot be split per parameter).
     """
 
     forward_ms: float
@@ -39,6 +52,41 @@ class OutsideTimes:
     optimizer_ms: float
     optimizer_state_bytes: int = 0
     optimizer_step_peak_bytes: int = 0
+    param_step_peaks: Mapping[int, int] = field(default_factory=dict)
+    param_steps: str = "no optimizer"
+
+
+def _param_steps(runner: StepRunner) -> tuple[ParamSteps | None, str]:
+    """The per-parameter optimizers to meter, or ``None`` and why there are none."""
+    if runner.in_backward is not None:
+        return runner.in_backward, "measured"
+    if runner.optimizer is None:
+        return None, "no optimizer"
+    try:
+        return ParamSteps(runner.optimizer), "measured"
+    except ArgumentError as err:
+        return None, str(err)
+
+
+def _meter_each(steps: ParamSteps, runner: StepRunner) -> dict[int, int]:
+    """Each parameter's own step, metered alone (its gradient alive), then ``zero_grad``."""
+    peaks = {}
+    for p in steps.params:
+        if p.grad is None:
+            continue
+        with MemoryMeter(device_type=runner.device_type) as meter:
+            steps.step(p)
+        peaks[id(p)] = meter.peak_bytes
+    runner.zero_grad()
+    return peaks
+
+
+def _step_each(steps: ParamSteps, runner: StepRunner) -> None:
+    """Every parameter's own step, then ``zero_grad``: the loop that steps in backward."""
+    for p in steps.params:
+        if p.grad is not None:
+            steps.step(p)
+    runner.zero_grad()
 
 
 def time_outside(
@@ -55,10 +103,14 @@ def time_outside(
     """Run stub steps of the runner's loop (see the module docstring): with an optimizer
     two metered ones first, then ``warmup`` un-timed and up to ``repeats`` timed ones
     (fewer once the samples settle within ``tolerance``). ``optimizer=False`` leaves
-    the optimizer out (its figures 0): a variant of the outside code (a chunked head)
-    changes the micro-batch, not the optimizer's step."""
+    the optimizer out (its figures 0, no parameter's step metered): a variant of the
+    outside code (a chunked head) changes the micro-batch, not the optimizer's step."""
     stepping = optimizer and runner.optimizer is not None
-    metered = 2 if stepping else 0
+    steps, why = (_param_steps(runner) if stepping else
+                  (None, "no optimizer" if runner.optimizer is None else "not in this run"))
+    whole = 2 if stepping else 0  # metered whole steps
+    metered = whole + (steps is not None)
+    param_peaks: dict[int, int] = {}
     fwd: list[float] = []
     bwd: list[float] = []
     opt: list[float] = []
@@ -74,14 +126,19 @@ def time_outside(
             if not runner.loop.keep_output:
                 del output  # dropped once the loss is taken, as the loop does
             stub_ms = clock.ms
-            _, b_ms = watch.time(lambda loss=loss: runner.backward(loss))
+            _, b_ms = watch.time(lambda loss=loss: runner.backward(loss, release=False))
             output = loss = None
             give_missing_grads(runner.params)
             o_ms = 0.0
-            if r < metered:
+            if r < whole:
                 with MemoryMeter(device_type=runner.device_type) as meter:
-                    runner.optimizer_step()
+                    runner.optimizer_step(whole=True)
                 peaks.append(meter.peak_bytes)
+            elif r < metered:
+                assert steps is not None
+                param_peaks = _meter_each(steps, runner)
+            elif stepping and (in_backward := runner.in_backward) is not None:
+                _, o_ms = watch.time(lambda s=in_backward: _step_each(s, runner))
             elif stepping:
                 _, o_ms = watch.time(runner.optimizer_step)
             if r >= metered + warmup:
@@ -94,4 +151,5 @@ def time_outside(
     clear_grads(state.params)
     state_bytes = optimizer_state_bytes(runner.optimizer) if stepping else 0
     step_peak = max(peaks[1], peaks[0] - state_bytes) if peaks else 0
-    return OutsideTimes(median(fwd), median(bwd), median(opt), state_bytes, step_peak)
+    return OutsideTimes(median(fwd), median(bwd), median(opt), state_bytes, step_peak,
+                        param_peaks, why)

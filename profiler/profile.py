@@ -15,7 +15,8 @@ and every pass holds at most what the most frugal plan holds. The passes, in ord
 2. **outside time** (:mod:`.outside_time`): steps whose units are stubs (:mod:`.stub`:
    their forward under ``no_grad``, a gradient of ones for their inputs) time the code
    outside the units; with an optimizer, the first two also meter ``optimizer.step()``
-   (its state and its step's peak);
+   (its state and its step's peak), and a third each parameter's own step (what
+   stepping it in backward adds: ``Loop(optimizer_in_backward=True)``);
 3. **outside step** (:mod:`.instrument`): one instrumented stub step gives the
    prefix/suffix figures, the boundaries and who holds them, shared tensors, what the
    loop keeps, and where the outside code's parameter gradients appear.
@@ -309,7 +310,8 @@ def _profile(
                 runs = measure_outside(
                     runner, ordered, is_chain=trace.chain.is_chain, state=state, watch=watch,
                     timed=TimedRuns(settings.warmup, settings.repeats, settings.tolerance),
-                    trained=trained, site=site)
+                    trained=trained, site=site,
+                    unit_figures=[measurer.figures[name] for name, _ in ordered])
     finally:
         bar.close()
 
@@ -323,6 +325,7 @@ def _profile(
         timings=measurer.timings,
         outside=top.times,
         grads=top.grads,
+        steps=top.steps,
         fixed_bytes=fixed,
         param_bytes=storage_bytes(model.parameters()),
         buffer_bytes=storage_bytes(model.buffers()),
@@ -343,7 +346,8 @@ def _profile(
     result = _with_coverage(result, choice, measurer.figures, opts)
     if site is not None:
         variants = {run.chunks: build_profile(
-            replace(measured, base=run.step, outside=run.times, grads=run.grads),
+            replace(measured, base=run.step, outside=run.times, grads=run.grads,
+                    steps=run.steps),
             device=device, dtype=result.dtype, shapes=result.input_shapes, meta={})
             for run in runs if run.chunks is not None}
         result = head_profile(result, site, model.get_submodule(site.name), variants,

@@ -22,7 +22,12 @@ Per option, in bytes above the live bytes at each point:
 * ``holds_output`` / ``holds_input``: whether the output's / input's storage
   survives dropping our own references to it (weak references tell);
 * ``bwd_peak_bytes``: peak of the backward above its start, where the start
-  includes what the unit holds and the gradient of its output.
+  includes what the unit holds and the gradient of its output;
+* for a loop that steps the optimizer in backward, the same backward with each of the
+  unit's parameter gradients freed once complete (:mod:`.released`):
+  ``released_bwd_peak_bytes``, and ``grads_ready``, per parameter the live bytes on
+  that footing when its ``.grad`` received the gradient, where its step's own peak
+  adds (:mod:`.grads`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +50,7 @@ from remat.measurement.state import clear_grads
 from remat.measurement.storage import storage_nbytes
 from remat.measurement.timing import Stopwatch, median, parts_settled
 from remat.profiler.capture import UnitCall
+from remat.profiler.released import released_curve
 from remat.profiler.timeline import TimelineMeter
 
 __all__ = [
@@ -92,6 +98,12 @@ class OptionFigures:
     forward_cache_bytes: int = 0  # freed when the loop's autocast region ends
     # ids of the parameters its backward gave a gradient (the unit's own, and any other)
     params_trained: frozenset[int] = frozenset()
+    # With each of the unit's parameter gradients freed once complete: the backward's peak
+    # (None: no parameter of the unit got one), and per parameter (its index among the
+    # unit's parameters: the same for twins) the live bytes when it was complete; both
+    # above the backward's start, as bwd_peak_bytes.
+    released_bwd_peak_bytes: int | None = None
+    grads_ready: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -215,24 +227,49 @@ def _measure_option(call: UnitCall, option: str, runner: StepRunner, *,
             holds_input = (x_storage in saved if option == Option.KEEP.value
                            else Option(option).recomputes)
         meter.mark("backward start")
-        if seed is not None:
-            seed.backward(root_grad)
-            del seed
+        # index among the unit's parameters -> (its gradient's record, tick it was complete)
+        ready: dict[int, tuple[int | None, int]] = {}
+
+        def when_ready(k: int) -> Callable[[torch.Tensor], None]:
+            def hook(param: torch.Tensor) -> None:
+                ready.setdefault(k, (meter.record_of(param.grad), meter.clock))
+            return hook
+
+        hooks = [p.register_post_accumulate_grad_hook(when_ready(k))
+                 for k, p in enumerate(module.parameters()) if p.requires_grad]
+        try:
+            if seed is not None:
+                seed.backward(root_grad)
+                del seed
+        finally:
+            for hook in hooks:
+                hook.remove()
         meter.mark("backward")
         input_grad = storage_nbytes(leaf.grad) if leaf is not None else 0
         del leaf, root_grad
         trained = frozenset(id(p) for p in params if p.grad is not None)
         clear_grads(params)
     # Read once the region has ended: the allocator's view is complete then.
+    bwd_rise = meter.rise(begin + 2, begin + 3)
+    released = released_curve(meter, meter.ticks["backward start"], meter.ticks["backward"],
+                              ready)
+    # What the allocator saw above the dispatch level (kernels' scratch) counts here too.
+    dispatch_rise = meter.peak_between(begin + 2, begin + 3) - meter.marks[begin + 2].live_bytes
+    scratch = max(bwd_rise - dispatch_rise, 0)
     return OptionFigures(
         held_bytes=max(held, 0) + meter.hidden_held(begin, begin + 2),
         holds_input=holds_input,
         holds_output=holds_output,
         fwd_peak_bytes=meter.rise(begin, begin + 1),
-        bwd_peak_bytes=max(meter.rise(begin + 2, begin + 3) - grad_bytes, 0),
+        bwd_peak_bytes=max(bwd_rise - grad_bytes, 0),
         input_grad_bytes=input_grad,
         forward_cache_bytes=max(cache_bytes, 0),
         params_trained=trained,
+        released_bwd_peak_bytes=(
+            max(released.peak_bytes - released.start_bytes - grad_bytes, 0) + scratch
+            if ready else None),
+        grads_ready=tuple((k, live - released.start_bytes - grad_bytes)
+                          for k, live in sorted(released.ready_bytes.items())),
     )
 
 

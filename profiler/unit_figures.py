@@ -70,8 +70,11 @@ class TimingPolicy:
 
 
 def _bytes_only(figures: Mapping[str, OptionFigures]) -> dict[str, OptionFigures]:
-    """``figures`` without which parameters they trained (twins own other ones)."""
-    return {o: dataclasses.replace(f, params_trained=frozenset()) for o, f in figures.items()}
+    """``figures`` without which parameters they trained (twins own other ones) and when
+    their gradients were ready (a detail of one run, not what tells twins apart)."""
+    return {o: dataclasses.replace(f, params_trained=frozenset(), grads_ready=(),
+                                   released_bwd_peak_bytes=None)
+            for o, f in figures.items()}
 
 
 @dataclass

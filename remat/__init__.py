@@ -30,6 +30,7 @@ _LAZY = {
     "plot_pareto": ("remat.plot", "plot_pareto"),
     "compile_planned": ("remat.compiled", "compile_planned"),
     "estimate": ("remat.preflight", "estimate"),
+    "optimizer_in_backward": ("remat.in_backward", "optimizer_in_backward"),
     "head_loss": ("remat.execute.head", "head_loss"),
 }
 __all__ = ["ArgumentError", "BudgetError", "DeviceMemoryError", "InfeasibleBudgetError",

@@ -176,15 +176,18 @@ def solve(
             ``"ilp"`` (CP-SAT), ``"chen"``, ``"chen-greedy"``, ``"uniform"``,
             ``"all"`` (checkpoint every unit), ``"none"``.
         loss_fn: ``loss_fn(output, batch) -> scalar``; default: ``output.loss``.
-        optimizer: when given, its state and ``step()`` count towards the peak.
+        optimizer: when given, its state and ``step()`` count towards the peak (with
+            ``Loop(optimizer_in_backward=True)``, required: each parameter's own step,
+            in backward; pass the ``.optimizer`` of ``remat.optimizer_in_backward``).
         units: which modules may be checkpointed (names, a class, or a
             predicate ``(name, module) -> bool``); default: discovered blocks.
         options: the options to consider (default: all the device offers).
         loop: the training loop the budget must hold for
             (:class:`remat.Loop`: gradient accumulation, whether the loop keeps the
             output through backward, autocast, a gradient scaler,
-            ``zero_grad(set_to_none=...)``); default ``remat.Loop()``, a plain loop
-            that keeps the output. ``remat.Loop.hf_trainer(args)`` is Hugging Face's.
+            ``zero_grad(set_to_none=...)``, the optimizer stepped in backward);
+            default ``remat.Loop()``, a plain loop that keeps the output.
+            ``remat.Loop.hf_trainer(args)`` is Hugging Face's.
         granularity: ``"blocks"`` (default), ``"children"`` or ``"auto"`` (also profile
             the blocks' children when the blocks are few or one dominates, and keep
             the level with the better frontier): see :func:`remat.profile`. Called

@@ -130,7 +130,8 @@ def _loop(args: argparse.Namespace) -> Any:
     from remat.core.loop import Loop
 
     return Loop(accumulation_steps=args.accumulation_steps, keep_output=not args.drop_output,
-                autocast=args.autocast, grad_scaler=args.autocast == "float16")
+                autocast=args.autocast, grad_scaler=args.autocast == "float16",
+                optimizer_in_backward=args.optimizer_in_backward)
 
 
 def _budget(text: str) -> int | str:
@@ -153,7 +154,8 @@ def _preflight(args: argparse.Namespace) -> None:
         given = [flag for flag, value, default in (
             ("--loss", args.loss, None), ("--optimizer", args.optimizer, "none"),
             ("--accumulation-steps", args.accumulation_steps, 1),
-            ("--autocast", args.autocast, None), ("--drop-output", args.drop_output, False))
+            ("--autocast", args.autocast, None), ("--drop-output", args.drop_output, False),
+            ("--optimizer-in-backward", args.optimizer_in_backward, False))
             if value != default]
         if given:
             verb = "describes" if len(given) == 1 else "describe"
@@ -328,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--drop-output", action="store_true",
                        help="the loop drops the model's output once the loss is taken "
                        "(default: it keeps it, as `out = model(x)` does)")
+        g.add_argument("--optimizer-in-backward", action="store_true",
+                       help="each parameter stepped by --optimizer in backward as its "
+                       "gradient is complete, the gradient freed then "
+                       "(remat.optimizer_in_backward)")
         if allow_profile:
             g.add_argument("--profile", help="a saved profile JSON instead of profiling")
 

@@ -91,9 +91,12 @@ class Estimate:
         smallest: the smallest peak checkpointing alone reaches (the units' options but
             offload, the head as the model computes it), and that plan.
         floor: what ``smallest`` is made of, in words (:func:`remat.remedies.floor_cause`).
-        remedies: for each remedy remat has (a chunked head, offload), the smallest peak
-            with it, predicted (:class:`remat.remedies.Remedy`).
-        lowest: the smallest peak remat reaches, every remedy measured included.
+        remedies: for each remedy remat has (a chunked head, gradients released in
+            backward, offload), the smallest peak with it, predicted
+            (:class:`remat.remedies.Remedy`).
+        lowest: the smallest peak remat's plans reach in this loop, every remedy a plan
+            can choose included (gradients released is a change of the loop: see
+            ``remedies``).
         verdict: the answer for ``memory_budget``, when one was given.
         loop, device: the loop and the device the profile is for.
     """
@@ -129,6 +132,12 @@ class Estimate:
             return checked
         return checked.bytes_for(self.no_checkpoint.bytes, self.persistent)
 
+    def _gradients(self) -> str:
+        """What the gradients row means in this loop."""
+        if self.loop.optimizer_in_backward:
+            return "each freed in backward once stepped: not persistent in this loop"
+        return "every parameter's, by the end of backward"
+
     @staticmethod
     def _predicted() -> str:
         """remat's profiler never runs the unplanned step (it may not fit): its peak is
@@ -142,7 +151,7 @@ class Estimate:
         rows = [
             ("parameters", self.parameters, ""),
             ("buffers", self.buffers, ""),
-            ("gradients", self.gradients, "every parameter's, by the end of backward"),
+            ("gradients", self.gradients, self._gradients()),
             ("optimizer state", self.optimizer_state,
              "" if self.optimizer_state else "no optimizer given"),
             ("inputs", self.inputs, "the batch on the device"),
@@ -157,7 +166,8 @@ class Estimate:
         ]
         rows += [(f"with {r.name}", r.peak_bytes, r.note) for r in self.remedies
                  if r.peak_bytes is not None]
-        rows.append(("lowest peak", self.lowest_bytes, "every remedy measured included"))
+        rows.append(("lowest peak", self.lowest_bytes,
+                     "plans in this loop, every remedy a plan can choose included"))
         if self.verdict is not None:
             rows.append(("budget", self.verdict.budget_bytes, self.verdict.status))
         return pd.DataFrame(
@@ -176,11 +186,15 @@ class Estimate:
             f"remat estimate ({self.device}; loop: {self.loop.describe()})",
             line("parameters", self.parameters),
             line("buffers", self.buffers),
-            line("gradients", self.gradients),
+            line("gradients", self.gradients,
+                 "(freed in backward, each once stepped)" if self.loop.optimizer_in_backward
+                 else ""),
             line("optimizer state", self.optimizer_state,
                  "" if self.optimizer_state else "(no optimizer given)"),
             line("inputs", self.inputs, "(the batch on the device)"),
-            line("activations", self.activations, "(no-checkpoint peak above the five above)"),
+            line("activations", self.activations,
+                 "(no-checkpoint peak above the four above)" if self.loop.optimizer_in_backward
+                 else "(no-checkpoint peak above the five above)"),
             line("no-checkpoint peak", self.no_checkpoint.bytes,
                  f"{self._predicted()}{self.no_checkpoint.where()}"),
             line("smallest peak", self.smallest.bytes,

@@ -9,6 +9,13 @@ remat has, the smallest peak with it:
 
 * **chunked head**: the head and its loss over chunks of the tokens
   (:mod:`remat.solver.heads`), where the profile measured it;
+* **gradients released**: the optimizer stepped in backward, each parameter as its
+  gradient is complete, the gradient freed then (``Loop(optimizer_in_backward=True)``,
+  ``remat.optimizer_in_backward``). A change of the loop, not a plan decision: its
+  figure is the profile's own step re-simulated under that loop, from the figures every
+  profile with a splittable optimizer carries (each phase's backward peak with its
+  gradients freed and its parameters' own steps metered: ``stepped_bwd_peak_bytes``), so
+  it is predicted like any plan, not measured under the loop;
 * **offload**: keeping units' saved activations in host memory (CUDA only).
 
 The estimate (:mod:`remat.preflight`) prints both. Torch-free: profiles in, words and
@@ -20,8 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from remat.core.bytesize import format_bytes
+from remat.core.errors import LoopError
+from remat.core.loop import Loop, loop_code
 from remat.core.option import Option
-from remat.core.profile import Profile
+from remat.core.profile import STEPS_IN_BACKWARD, Profile
 from remat.solver.heads import lowest_floor
 from remat.solver.min_peak import min_peak_bytes
 from remat.solver.simulate import Simulation
@@ -91,7 +100,7 @@ def lowest_peak_bytes(profile: Profile) -> int:
 def remedies(profile: Profile) -> tuple[Remedy, ...]:
     """Each remedy remat has, alone on top of checkpointing, with the smallest peak it
     reaches on ``profile``."""
-    return (_chunked_head(profile), _offload(profile))
+    return (_chunked_head(profile), _gradients_released(profile), _offload(profile))
 
 
 def _chunked_head(profile: Profile) -> Remedy:
@@ -110,6 +119,31 @@ def _chunked_head(profile: Profile) -> Remedy:
                                     "chunks does not set the peak")
     return Remedy(name, nbytes, f"the head {profile.head.name!r} and its loss over {chunks} "
                                 "chunks of the tokens (chosen where the budget needs it)")
+
+
+def _gradients_released(profile: Profile) -> Remedy:
+    """The smallest peak of checkpointing alone with the optimizer stepped in backward: the
+    profile re-simulated under that loop (see the module docstring)."""
+    name = "gradients released"
+    loop = profile.loop
+    how = ("each parameter stepped as its gradient is complete, the gradient freed then: "
+           "remat.optimizer_in_backward(model, optimizer) and "
+           f"loop={loop_code(loop, optimizer_in_backward=True)}; no clip_grad_norm_ over all "
+           "parameters")
+    if loop.optimizer_in_backward:
+        return Remedy(name, min_peak_bytes(checkpointing_only(profile)),
+                      f"in use: the loop steps the optimizer in backward ({loop_code(loop)})")
+    try:
+        released = Loop(**{**loop.to_dict(), "optimizer_in_backward": True})
+    except LoopError as err:
+        return Remedy(name, None, f"not with this loop: {err}")
+    measured = profile.meta.get(STEPS_IN_BACKWARD)
+    if measured != "measured":
+        why = ("profile with optimizer= the optimizer you train with: its per-parameter steps "
+               "are metered then" if measured in (None, "no optimizer") else str(measured))
+        return Remedy(name, None, why)
+    return Remedy(name, min_peak_bytes(replace(checkpointing_only(profile), loop=released)),
+                  how)
 
 
 def _offload(profile: Profile) -> Remedy:

@@ -30,6 +30,12 @@ cost of a few attribute reads per training forward:
   accumulates them or zeroes them in place, and they take their bytes on top of
   every figure of the plan. One parameter is read (the first trainable one of the
   first unit).
+* **parameters not stepped in backward** where the loop says they are
+  (``Loop(optimizer_in_backward=True)``): no hooks of ``remat.optimizer_in_backward``
+  on the first trainable parameter of the first unit (a few set look-ups), so every
+  gradient lives to the end of backward and an optimizer step runs after it, which the
+  plan did not count. (The other way round, hooks on a plan for a loop that steps after
+  backward, frees gradients the plan counted: the budget holds, nothing is said.)
 * **autocast** on, off or in another dtype than the loop says.
 * **parameters in another dtype** than planned (``model.float()`` after solving in
   bfloat16): one parameter's dtype is read.
@@ -66,6 +72,7 @@ from remat.core.bytesize import format_bytes
 from remat.core.errors import PlanMismatchError, RematWarning
 from remat.core.loop import loop_code
 from remat.core.plan import Plan
+from remat.measurement.in_backward import steps_in_backward
 from remat.measurement.runner import output_tensors
 
 __all__ = ["LoopChecks", "OutputWatch", "PlanGuard", "call_shapes", "replaced_units",
@@ -299,6 +306,10 @@ class LoopChecks:
         self.grad_slot = None
         if loop is not None and not loop.grads_alive_at_start:
             self.grad_slot = _param_slot(modules, model, lambda p: p.requires_grad)
+        # Stepped in backward: the loop says each parameter is.
+        self.step_slot = None
+        if loop is not None and loop.optimizer_in_backward:
+            self.step_slot = _param_slot(modules, model, lambda p: p.requires_grad)
         self.autocast = None if loop is None or loop.autocast is None else getattr(
             torch, loop.autocast)
         # The dtype the units' parameters were planned in: checked against their
@@ -320,6 +331,11 @@ class LoopChecks:
                 p = slot[0]._parameters.get(slot[1])
                 if p is not None and p.grad is not None and not self.said("grads"):
                     self.grads_alive(model)
+            slot = getattr(self, "step_slot", None)  # None in guards pickled before it
+            if slot is not None:
+                p = slot[0]._parameters.get(slot[1])
+                if p is not None and not steps_in_backward(p) and not self.said("stepped"):
+                    self.not_stepped(model)
             device = self.device_type
             if device is not None:
                 on = torch.is_autocast_enabled(device)
@@ -376,6 +392,16 @@ class LoopChecks:
         nbytes = sum(_nbytes(g) for g in grads)
         # Zeroed in place or accumulated; a sharded gradient (DTensor) is not looked into.
         zeroed = all(type(g) is torch.Tensor and not bool(g.any()) for g in grads)
+        if loop.optimizer_in_backward:  # the hooks that free each gradient are missing
+            self.report("grads", (
+                f"remat: a training forward started with {len(grads)} parameter gradients "
+                "alive, and the plan was solved for a loop that steps each parameter in "
+                f"backward and frees its gradient ({loop_code(loop)})"
+                f"{self.with_extra(nbytes, 'the gradients, alive through the forward pass')}."
+                " Set the loop up: remat.optimizer_in_backward(model, optimizer) before "
+                "training, or solve again for your loop: remat.solve(..., loop="
+                f"{loop_code(loop, optimizer_in_backward=False)})"))
+            return
         if zeroed:
             cause = "the loop zeroes them in place (zero_grad(set_to_none=False))"
             fix = loop_code(loop, set_to_none=False)
@@ -390,6 +416,20 @@ class LoopChecks:
             f"Solve again for your loop: remat.solve(..., loop={fix})"
             + (" with N micro-batches per optimizer step" if not zeroed else "")
             + ", or zero the gradients with zero_grad(set_to_none=True) before each forward"))
+
+    def not_stepped(self, model: nn.Module) -> None:
+        loop = self.loop
+        assert loop is not None
+        nbytes = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
+        self.report("stepped", (
+            "remat: the planned model's parameters are not stepped in backward, and the plan "
+            f"was solved for a loop that steps each as its gradient is complete and frees the "
+            f"gradient ({loop_code(loop)})"
+            f"{self.with_extra(nbytes, 'the parameter gradients, alive to the end of backward')}"
+            " and an optimizer step after backward it did not count either. "
+            "Set the loop up: remat.optimizer_in_backward(model, optimizer) before training, "
+            f"or solve again for your loop: remat.solve(..., "
+            f"loop={loop_code(loop, optimizer_in_backward=False)})"))
 
     def autocast_differs(self, on: bool) -> None:
         loop = self.loop

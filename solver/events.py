@@ -30,7 +30,10 @@ autocast casts + the shared tensors born by then, and ``D_i`` = fixed + prefix
 held bytes + the loss and the kept output + the shared tensors still alive + the
 gradients alive at unit ``i``'s backward (suffix and later units' parameter
 gradients, or all of them when the loop keeps them, and the gradient of unit
-``i``'s output). A multi-unit segment ``a..b`` is one move from
+``i``'s output). ``o.bwd_peak`` is the option's backward peak in the profile's loop
+(:meth:`Profile.bwd_peak`: in a loop that steps the optimizer in backward, its
+parameters' steps included; no parameter gradient then outlives its phase). A
+multi-unit segment ``a..b`` is one move from
 ``A_a`` to ``A_{b+1} = A_a + ckpt.held_a + in_a`` (only its first input is held,
 next ``p`` = 0) whose forward, recompute and backward events are
 ``A_a + (constant of a and b)``; :func:`build_model` derives those constants with
@@ -264,7 +267,11 @@ def _bwd_constants(profile: Profile) -> tuple[int, ...]:
     shared_grads = _shared_grads_in_backward(profile)
     kept_grads = _kept_input_grads_in_backward(profile)
     at_start = profile.grads_alive_at_start
-    later_pgrad = profile.grad_bytes if at_start else profile.suffix.param_grad_bytes
+    # Gradients alive at unit i's backward: every one (kept from before), the suffix's and
+    # later units' (made in this backward), or none (each freed after its phase).
+    accumulates = not at_start and not profile.optimizer_in_backward
+    later_pgrad = (profile.grad_bytes if at_start
+                   else profile.suffix.param_grad_bytes if accumulates else 0)
     out: list[int] = [0] * n
     for i in range(n - 1, -1, -1):
         if profile.is_chain and i < n - 1:
@@ -272,7 +279,7 @@ def _bwd_constants(profile: Profile) -> tuple[int, ...]:
         else:
             grad_out = units[i].output_bytes
         out[i] = base + later_pgrad + grad_out + shared[i] + shared_grads[i] + kept_grads[i]
-        if not at_start:
+        if accumulates:
             later_pgrad += units[i].param_grad_bytes
     return tuple(out)
 
@@ -285,12 +292,14 @@ def _floor_bytes(profile: Profile) -> int:
     to_end = _shared_alive_in_backward(profile)[profile.n]
     kept = (profile.loss_bytes + profile.output_bytes + profile.kept_last_output_bytes
             + to_end)
-    grads_then = profile.grad_bytes - (0 if at_start else profile.prefix.param_grad_bytes)
+    released = profile.optimizer_in_backward
+    grads_then = 0 if released else (
+        profile.grad_bytes - (0 if at_start else profile.prefix.param_grad_bytes))
     prefix_bwd = (
         fixed
         + profile.prefix.held_bytes
         + grads_then
-        + profile.prefix.bwd_peak_bytes
+        + profile.bwd_peak(profile.prefix)
         + kept
         + profile.extra_grad_in_flight_bytes
         + _shared_grads_in_backward(profile)[profile.n]
@@ -300,10 +309,10 @@ def _floor_bytes(profile: Profile) -> int:
         # The prefix's hold on unit 0's input outlives unit 0, and so does its gradient.
         prefix_bwd += first.input_grad_bytes
         prefix_bwd += first.input_bytes if first.input_held_outside else 0
-    end = fixed + profile.grad_bytes + kept
+    end = fixed + (0 if released else profile.grad_bytes) + kept
     prefix_fwd = (fixed + profile.carried_bytes + _param_grads_at_start(profile)
                   + profile.prefix.fwd_peak_bytes)
-    return max(prefix_fwd, prefix_bwd, end, end + profile.optimizer_step_peak_bytes)
+    return max(prefix_fwd, prefix_bwd, end, end + profile.end_step_peak_bytes)
 
 
 def _chain_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
@@ -323,7 +332,7 @@ def _chain_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
                 o.held_bytes
                 + held_in
                 + (unit.output_bytes if holds_out else 0)
-                + o.bwd_peak_bytes
+                + profile.bwd_peak(o)
                 + d
             )
             moves.append(
@@ -352,7 +361,7 @@ def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
             o.held_bytes
             + held_in
             + (unit.output_bytes if o.holds_output and not kept else 0)
-            + o.bwd_peak_bytes
+            + profile.bwd_peak(o)
             + d
         )
         moves.append(Move(option, 0, o.held_bytes + held_in + held_out, max(fwd, bwd), 0,
@@ -363,9 +372,10 @@ def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
 def _end_need(profile: Profile, c_fwd: int, c_bwd: int) -> tuple[int, int]:
     """The suffix's forward / backward events minus ``A_n``, per flag of the last unit."""
     s = profile.suffix
+    s_bwd = profile.bwd_peak(s)
     if not profile.is_chain:
         kept = profile.kept_last_output_bytes  # in c_bwd already
-        need = max(c_fwd + kept + s.fwd_peak_bytes, c_bwd + s.held_bytes + s.bwd_peak_bytes)
+        need = max(c_fwd + kept + s.fwd_peak_bytes, c_bwd + s.held_bytes + s_bwd)
         return (need, need)
     last = profile.units[-1]
     out = last.output_bytes
@@ -373,7 +383,7 @@ def _end_need(profile: Profile, c_fwd: int, c_bwd: int) -> tuple[int, int]:
     for q in (0, 1):
         held = out if (q or last.output_held_outside or profile.last_output_kept) else 0
         needs.append(max(c_fwd + out + s.fwd_peak_bytes,
-                         c_bwd + held + s.held_bytes + s.bwd_peak_bytes))
+                         c_bwd + held + s.held_bytes + s_bwd))
     return (needs[0], needs[1])
 
 
@@ -420,7 +430,7 @@ def _segment_needs(
     out_b = np.array([u.output_bytes for u in units], dtype=np.int64)
     kh = np.array([k.held_bytes for k in keep], dtype=np.int64)
     kfwd = np.array([k.fwd_peak_bytes for k in keep], dtype=np.int64)
-    kbwd = np.array([k.bwd_peak_bytes for k in keep], dtype=np.int64)
+    kbwd = np.array([profile.bwd_peak(k) for k in keep], dtype=np.int64)
     khout = np.array([k.holds_output for k in keep], dtype=bool)
     khin = np.array([k.holds_input for k in keep], dtype=bool)
     dv = np.array(d, dtype=np.int64)

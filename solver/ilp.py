@@ -259,7 +259,7 @@ def _backward_events(
         terms = []
         for o, cost in unit.options.items():
             out = unit.output_bytes if cost.holds_output and not _kept_by_loop(profile, i) else 0
-            rest = cost.held_bytes + out + cost.bwd_peak_bytes + d
+            rest = cost.held_bytes + out + profile.bwd_peak(cost) + d
             if not profile.is_chain and (cost.holds_input or unit.input_held_outside):
                 rest += unit.input_bytes
             terms.append(rest * v.opt[i, o])
@@ -302,17 +302,18 @@ def _suffix_events(
 ) -> None:
     """The suffix's forward and backward, on top of everything the units hold."""
     s = profile.suffix
+    s_bwd = profile.bwd_peak(s)
     a_n = v.held_before[profile.n]
     c_fwd, c_bwd = model.fwd_const[profile.n], model.suffix_bwd_const
     if not profile.is_chain:
         kept = profile.kept_last_output_bytes  # in c_bwd already
         m.add(a_n + c_fwd + kept + s.fwd_peak_bytes <= budget)
-        m.add(a_n + c_bwd + s.held_bytes + s.bwd_peak_bytes <= budget)
+        m.add(a_n + c_bwd + s.held_bytes + s_bwd <= budget)
         return
     out = profile.units[-1].output_bytes
     m.add(a_n + c_fwd + out + s.fwd_peak_bytes <= budget)
     held_out = out if profile.last_output_kept else out * v.held_boundary[profile.n]
-    m.add(a_n + c_bwd + held_out + s.held_bytes + s.bwd_peak_bytes <= budget)
+    m.add(a_n + c_bwd + held_out + s.held_bytes + s_bwd <= budget)
 
 
 def _objective(m: cp_model.CpModel, profile: Profile, v: _Vars) -> None:

@@ -19,7 +19,8 @@ The rules it encodes:
   segment's last unit the whole segment is recomputed with its ``keep`` costs,
   and its units then run their ``keep`` backward in reverse order, freeing the
   recomputed activations as they go.
-* A unit's backward peaks at ``live + bwd_peak_bytes`` of its option. After it,
+* A unit's backward peaks at ``live + bwd_peak_bytes`` of its option (in the loop's
+  terms: :meth:`Profile.bwd_peak`). After it,
   what the unit held is freed, its output's gradient is consumed, and its input's
   gradient and its parameter gradients are live.
 * The loss (``loss_bytes``, with the seed gradient) stays alive from the start of
@@ -40,6 +41,15 @@ The rules it encodes:
 * Off a chain, a unit's input gradient is consumed by the code before it at once,
   or, with ``input_grad_kept_until = k``, kept alive until unit k's backward is done
   (``-1``: the prefix's).
+* A loop that steps the optimizer in backward (``loop.optimizer_in_backward``)
+  frees every parameter gradient right after the backward phase that made it (its
+  step ran in a hook as it was complete), so none accumulates to the end of the
+  backward pass; a parameter used in two phases (a tied embedding) keeps its summed
+  gradient from the suffix's backward to the prefix's (``extra_grad_in_flight_bytes``).
+  Each phase's backward peaks at its peak in that loop, the steps of its parameters
+  included (``stepped_bwd_peak_bytes``: :meth:`Profile.bwd_peak`), and the optimizer
+  step after backward is gone (its peak is 0: ``end_step_peak_bytes``); the optimizer
+  state is resident as before.
 * The step time is the measured step time plus every option's ``extra_ms``, once
   per micro-batch.
 
@@ -151,13 +161,16 @@ class _Replay:
     among them (allocated and freed with :meth:`allocate_grad` / :meth:`free_grad`).
     """
 
-    def __init__(self, fixed_bytes: int, param_grads_at_start: int = 0) -> None:
+    def __init__(self, fixed_bytes: int, param_grads_at_start: int = 0, *,
+                 released: bool = False) -> None:
         self.fixed = fixed_bytes
         self.live = 0
         self.grad = 0
         # Gradients a loop keeps from before (accumulation, zero_grad in place): alive
         # throughout, so backward adds into them instead of allocating them.
         self.param_grads_at_start = param_grads_at_start > 0
+        # Gradients a loop steps and frees in backward: gone after their phase.
+        self.released = released
         self.allocate_grad(param_grads_at_start)
         self.events: list[tuple[str, int]] = []
         self.grad_at_event: list[int] = []
@@ -183,8 +196,9 @@ class _Replay:
         self.grad -= nbytes
 
     def param_grad(self, nbytes: int) -> None:
-        """Parameter gradients a backward phase produces: new bytes, unless alive already."""
-        if not self.param_grads_at_start:
+        """Parameter gradients a backward phase leaves: new bytes, unless alive already or
+        freed with the phase (their optimizer step ran in it)."""
+        if not self.param_grads_at_start and not self.released:
             self.allocate_grad(nbytes)
 
     # Boundaries: storages shared by neighbours, alive while someone holds them.
@@ -219,6 +233,7 @@ def _effective_cost(profile: Profile, plan: Plan, i: int) -> OptionCost:
         fwd_peak_bytes=ckpt.fwd_peak_bytes,
         bwd_peak_bytes=ckpt.bwd_peak_bytes,
         extra_ms=ckpt.extra_ms,
+        stepped_bwd_peak_bytes=ckpt.stepped_bwd_peak_bytes,
     )
 
 
@@ -238,7 +253,8 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     cost = [_effective_cost(profile, plan, i) for i in range(n)]
     chain = profile.is_chain
     r = _Replay(profile.fixed_bytes,
-                profile.grad_bytes if profile.grads_alive_at_start else 0)
+                profile.grad_bytes if profile.grads_alive_at_start else 0,
+                released=profile.optimizer_in_backward)
     shared_born: dict[int, list[int]] = {}  # born after unit k's forward (-1: the prefix's)
     shared_freed: dict[int, list[int]] = {}  # freed after unit k's backward
     shared_to_end = []
@@ -333,7 +349,8 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
     r.event("forward end")
 
     # ---- backward -----------------------------------------------------------------
-    r.event("backward suffix", profile.suffix.bwd_peak_bytes)
+    r.event("backward suffix",
+            profile.bwd_peak(profile.suffix))
     r.free(profile.suffix.held_bytes)
     # The caller's loss and the seed gradient outlive the suffix's other held bytes.
     r.allocate(profile.loss_bytes)
@@ -360,7 +377,8 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
             r.free(sum(shared_freed.get(k, ())))
         i = done[-1] - 1
 
-    r.event("backward prefix", profile.prefix.bwd_peak_bytes)
+    r.event("backward prefix",
+            profile.bwd_peak(profile.prefix))
     after_backward(-1)
     r.free_grad(profile.extra_grad_in_flight_bytes)
     r.free(profile.prefix.held_bytes)
@@ -369,7 +387,7 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
         r.free_grad(units[0].input_grad_bytes)
     r.param_grad(profile.prefix.param_grad_bytes)
     r.event("backward end")
-    r.event("optimizer step", profile.optimizer_step_peak_bytes)
+    r.event("optimizer step", profile.end_step_peak_bytes)
 
     at = max(range(len(r.events)), key=lambda k: r.events[k][1])  # the first highest event
     label, peak = r.events[at]
@@ -408,7 +426,7 @@ def _backward_unit(
         # gradient of our output and released its own hold on the output storage.
         r.drop_holder(ok, "outside-out")
         r.allocate_grad(unit.output_bytes)
-    r.event(f"backward {unit.name}", cost.bwd_peak_bytes)
+    r.event(f"backward {unit.name}", profile.bwd_peak(cost))
     r.free(cost.held_bytes)
     r.drop_holder(ik, f"u{i}")
     r.drop_holder(ok, f"u{i}")
@@ -451,7 +469,8 @@ def _backward_segment(
             r.release_if_unheld(rkey(k))
     r.release_if_unheld(rkey(b + 1))  # the recomputed output, unless the unit saves it
     for k in range(b, a - 1, -1):
-        r.event(f"backward {units[k].name}", keep[k].bwd_peak_bytes)
+        r.event(f"backward {units[k].name}",
+                profile.bwd_peak(keep[k]))
         r.free(keep[k].held_bytes)
         r.drop_holder(rkey(k + 1), f"u{k}")
         if k > a:

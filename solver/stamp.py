@@ -74,7 +74,7 @@ def _with_required_head(profile: Profile, plan: Plan) -> Plan:
 
 def activations_only(profile: Profile) -> Profile:
     """``profile`` without the bytes that do not grow with the batch: parameters,
-    buffers, optimizer state and its step, parameter gradients.
+    buffers, optimizer state and its steps (after or in backward), parameter gradients.
 
     Its peak under a plan is the plan's activation peak, whatever the moment: the
     runtime scales it to inputs larger than the profiled ones (``persistent +
@@ -87,11 +87,13 @@ def activations_only(profile: Profile) -> Profile:
         return cached
 
     def no_grads(outside: OutsideCost) -> OutsideCost:
-        return replace(outside, param_grad_bytes=0)
+        return replace(outside, param_grad_bytes=0, stepped_bwd_peak_bytes=None)
 
     reduced = replace(
         profile,
-        units=tuple(replace(u, param_grad_bytes=0) for u in profile.units),
+        units=tuple(replace(u, param_grad_bytes=0, options={
+            name: replace(cost, stepped_bwd_peak_bytes=None) for name, cost in u.options.items()})
+            for u in profile.units),
         prefix=no_grads(profile.prefix),
         suffix=no_grads(profile.suffix),
         param_bytes=0,

@@ -27,7 +27,8 @@ FLOORS: list[tuple[int, tuple[str, ...]]] = [
     (2, ("remat.profiler", "remat.runtime")),
     (3, ("remat", "remat.api", "remat.verify", "remat.compiled", "remat.preflight",
          "remat.granularity", "remat.plot", "remat.plot_labels", "remat.report",
-         "remat.output", "remat.losses", "remat.integrations", "remat.models")),
+         "remat.output", "remat.losses", "remat.integrations", "remat.models",
+         "remat.in_backward")),
     (4, ("remat.cli", "remat.__main__", "remat.models.demo")),
 ]
 TORCH_FREE = ("remat.core", "remat.solver")

@@ -136,3 +136,18 @@ def test_written_files_get_the_users_mode(tmp_path, capsys, umask):
     for path in (plan, other):
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
     capsys.readouterr()
+
+
+def test_the_optimizer_stepped_in_backward(capsys):
+    """``--optimizer-in-backward``: the plan is for that loop; without an optimizer, or with
+    accumulation, it stops with the fix."""
+    assert main(["estimate", "--model", "gpt", "--size", "tiny", "--optimizer", "adamw",
+                 "--optimizer-in-backward"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer in backward" in out and "gradients released" in out
+    assert main(["estimate", "--model", "gpt", "--size", "tiny",
+                 "--optimizer-in-backward"]) == 2
+    assert "pass optimizer=" in capsys.readouterr().err
+    assert main(["estimate", "--model", "gpt", "--size", "tiny", "--optimizer", "adamw",
+                 "--optimizer-in-backward", "--accumulation-steps", "2"]) == 2
+    assert "accumulation_steps=1" in capsys.readouterr().err

@@ -45,6 +45,13 @@ CASES: dict[str, tuple[Callable[[], lm.Case], remat.Loop, bool]] = {
         lm.causal_lm_head_loss, remat.Loop(keep_output=False), True),
     "Hugging Face GPT-2 on labels, loop drops the output": (
         lm.hf_gpt2, remat.Loop(keep_output=False), False),
+    # Each parameter stepped with AdamW as its gradient is complete, the gradient freed.
+    "causal LM, optimizer stepped in backward": (
+        lm.causal_lm, remat.Loop(keep_output=False, optimizer_in_backward=True), True),
+    # Both remedies: the head chunked where the budget needs it, gradients freed in backward.
+    "causal LM with remat.head_loss, optimizer stepped in backward": (
+        lm.causal_lm_head_loss, remat.Loop(keep_output=False, optimizer_in_backward=True),
+        True),
 }
 
 

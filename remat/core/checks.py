@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from remat.core.budget import Budget, check_budget
-from remat.core.errors import ArgumentError, BudgetError, ParameterError
-from remat.core.loop import Loop
+from remat.core.errors import ArgumentError, BudgetError, LoopError, ParameterError
+from remat.core.loop import Loop, loop_code
 from remat.core.plan import Plan
 from remat.core.profile import Profile
 
@@ -226,6 +226,11 @@ def check_profile_args(
     check_loss_fn(loss_fn, where)
     check_optimizer(optimizer, where)
     check_loop(loop, where)
+    if isinstance(loop, Loop) and loop.optimizer_in_backward and optimizer is None:
+        raise LoopError(
+            f"{where}: loop={loop_code(loop)} steps the optimizer in backward, and no "
+            "optimizer was given: pass optimizer=, the optimizer you train with (the one "
+            "remat.optimizer_in_backward(model, optimizer) steps)")
 
 
 def check_inputs(

@@ -20,6 +20,16 @@ which keeps the output alive through the backward pass and into the next
 iteration's forward (``keep_output=True``). Hugging Face's ``Trainer`` drops the
 output once the loss is taken: :meth:`Loop.hf_trainer` builds its loop from its
 ``TrainingArguments``.
+
+With ``optimizer_in_backward=True`` each parameter's optimizer step runs in the
+backward pass, as soon as its gradient is complete, and the gradient is freed at
+once (``remat.optimizer_in_backward`` sets it up)::
+
+    handle = remat.optimizer_in_backward(model, optimizer)
+    for batch in loader:
+        loss = loss_fn(model(**batch), batch)
+        loss.backward()                       # steps every parameter, frees its gradient
+        # no optimizer.step(), no zero_grad()
 """
 
 from __future__ import annotations
@@ -57,6 +67,18 @@ class Loop:
             outside it, as ``torch.autocast``'s documentation prescribes).
         grad_scaler: the loss is scaled with ``torch.amp.GradScaler`` and the
             optimizer stepped through it (usual with float16).
+        optimizer_in_backward: each parameter's optimizer step runs in the backward
+            pass as soon as its gradient is complete, and the gradient is then freed
+            (``Tensor.register_post_accumulate_grad_hook``; set up by
+            ``remat.optimizer_in_backward``): no parameter gradient lives beyond the
+            backward phase that made it, and there is no ``optimizer.step()`` after
+            backward. It cannot hold with gradient accumulation (the step would run at
+            every micro-batch), ``zero_grad(set_to_none=False)`` (nothing to zero),
+            a gradient scaler (unscaling and the inf check need every gradient at once),
+            or **gradient clipping over all parameters**
+            (``clip_grad_norm_(model.parameters())`` needs every gradient at once:
+            remat cannot see clipping in your loop, so leave it out or clip each
+            gradient alone in its own hook). The first three are refused here.
     """
 
     accumulation_steps: int = 1
@@ -64,12 +86,13 @@ class Loop:
     set_to_none: bool = True
     autocast: str | None = None
     grad_scaler: bool = False
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         steps = self.accumulation_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise LoopError(f"Loop(accumulation_steps={steps!r}): need an int >= 1")
-        for name in ("keep_output", "set_to_none", "grad_scaler"):
+        for name in ("keep_output", "set_to_none", "grad_scaler", "optimizer_in_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise LoopError(f"Loop({name}={getattr(self, name)!r}): need True or False")
         if self.autocast is not None:
@@ -81,6 +104,28 @@ class Loop:
                     f"{', '.join(repr(d) for d in AUTOCAST_DTYPES)} (or 'bf16', 'fp16')"
                 )
             object.__setattr__(self, "autocast", dtype)
+        if self.optimizer_in_backward:
+            self._check_in_backward()
+
+    def _check_in_backward(self) -> None:
+        """Refuse what cannot hold when each gradient is stepped and freed in backward."""
+        why = None
+        if self.accumulation_steps > 1:
+            why = (f"accumulation_steps={self.accumulation_steps}: gradient accumulation sums "
+                   "every micro-batch's gradient before one optimizer step, and a gradient "
+                   "stepped and freed in backward is gone before the next micro-batch adds "
+                   "to it; use accumulation_steps=1 (a larger micro-batch), or "
+                   "optimizer_in_backward=False")
+        elif not self.set_to_none:
+            why = ("set_to_none=False: gradients are freed in backward, so none is left to "
+                   "zero in place; use set_to_none=True (torch's default)")
+        elif self.grad_scaler:
+            why = ("grad_scaler=True: a GradScaler unscales every gradient and checks them "
+                   "all for infs before one optimizer step, which a step per parameter in "
+                   "backward cannot wait for; use bfloat16 autocast without a scaler, or "
+                   "optimizer_in_backward=False")
+        if why is not None:
+            raise LoopError(f"Loop(optimizer_in_backward=True) with {why}")
 
     @property
     def grads_alive_at_start(self) -> bool:
@@ -97,6 +142,8 @@ class Loop:
         if self.autocast:
             parts.append(f"autocast {self.autocast}" + (" + GradScaler" if self.grad_scaler
                                                          else ""))
+        if self.optimizer_in_backward:
+            parts.append("optimizer in backward")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

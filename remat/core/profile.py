@@ -46,6 +46,7 @@ __all__ = [
     "MAX_BYTES",
     "MAX_MS",
     "SCHEMA_VERSION",
+    "STEPS_IN_BACKWARD",
     "UNIT_TYPE_COUNTS",
     "HeadProfile",
     "HeadVariant",
@@ -67,6 +68,12 @@ _READABLE_VERSIONS = (3, 4)
 # so that a deeper model than the one profiled is refused.
 UNIT_TYPE_COUNTS = "unit_type_counts"
 
+# ``Profile.meta`` key: ``"measured"`` when each parameter's own optimizer step was metered
+# (in the ``stepped_bwd_peak_bytes`` figures, which let one profile predict a loop that
+# steps the optimizer in backward), else why not: ``"no optimizer"``, or the optimizer's
+# refusal.
+STEPS_IN_BACKWARD = "steps_in_backward"
+
 
 
 
@@ -86,6 +93,10 @@ class OptionCost:
             unit holds and the gradient of its output).
         extra_ms: time the option adds to a training step over ``keep``
             (recomputation, copies that are not hidden), in milliseconds.
+        stepped_bwd_peak_bytes: ``bwd_peak_bytes`` in a loop that steps the optimizer
+            in backward (``Loop(optimizer_in_backward=True)``): each parameter gradient
+            freed once its own step, run as it is complete, is done; that step's peak
+            included. ``None``: not measured, ``bwd_peak_bytes`` stands for it.
     """
 
     held_bytes: int
@@ -94,9 +105,11 @@ class OptionCost:
     fwd_peak_bytes: int
     bwd_peak_bytes: int
     extra_ms: float = 0.0
+    stepped_bwd_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self, ints=_OPTION_INTS, bools=_OPTION_BOOLS, floats=("extra_ms",))
+        _check_stepped(self)
 
 
 @dataclass(frozen=True)
@@ -228,6 +241,9 @@ class OutsideCost:
         bwd_peak_bytes: highest live bytes during its backward above its start.
         param_grad_bytes: parameter-gradient bytes first allocated in its backward.
         fwd_ms, bwd_ms: its forward / backward time, in milliseconds.
+        stepped_bwd_peak_bytes: ``bwd_peak_bytes`` in a loop that steps the optimizer
+            in backward, its parameters' steps included (``None``: not measured,
+            ``bwd_peak_bytes`` stands for it); see :class:`OptionCost`.
     """
 
     held_bytes: int = 0
@@ -236,9 +252,11 @@ class OutsideCost:
     param_grad_bytes: int = 0
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
+    stepped_bwd_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self, ints=_OUTSIDE_INTS, floats=("fwd_ms", "bwd_ms"))
+        _check_stepped(self)
 
 
 @dataclass(frozen=True)
@@ -430,7 +448,9 @@ class Profile:
         param_bytes, buffer_bytes, optimizer_state_bytes: persistent bytes,
             alive for the whole step.
         optimizer_step_peak_bytes: peak of ``optimizer.step()`` above the bytes
-            alive when it starts (0 without an optimizer).
+            alive when it starts (0 without an optimizer), measured whatever the loop;
+            a loop that steps the optimizer in backward has no such step
+            (:attr:`end_step_peak_bytes`).
         loss_bytes: bytes the caller's loss tensor and autograd's seed gradient keep
             alive from the start of backward to the end of the step (the loss
             storage is also part of ``suffix.held_bytes``; it is not freed with the
@@ -460,7 +480,11 @@ class Profile:
             embedding tied to the LM head): summed in a buffer from the suffix's
             backward until the prefix's hands the sum to ``.grad``. They are the
             parameter's gradient itself when ``.grad`` is ``None``; when the loop keeps
-            gradients alive (``grads_alive_at_start``) they are extra bytes.
+            gradients alive (``grads_alive_at_start``) they are extra bytes, and so
+            they are when it frees each gradient after its phase
+            (``optimizer_in_backward``): the sum lives from the suffix's backward to
+            the prefix's, counted over that whole span (over, never under, where the
+            first contributor is a unit).
         shared: tensors handed to units besides their boundary input
             (:class:`SharedTensor`); in no other figure.
         coverage: the share (0 to 1) of the step's activation memory (the bytes
@@ -602,13 +626,37 @@ class Profile:
     @property
     def persistent_bytes(self) -> int:
         """What every plan's step holds by the end of its backward pass: the fixed bytes
-        and every parameter's gradient (what no plan removes; ``"0%"`` of activations)."""
-        return self.fixed_bytes + self.grad_bytes
+        and every parameter's gradient (what no plan removes; ``"0%"`` of activations).
+        A loop that frees each gradient in backward (``optimizer_in_backward``) holds no
+        gradient then: the fixed bytes alone."""
+        return self.fixed_bytes + (0 if self.optimizer_in_backward else self.grad_bytes)
 
     @property
     def extra_grad_in_flight_bytes(self) -> int:
         """Partial-gradient bytes that are extra in this loop (see ``grad_in_flight_bytes``)."""
-        return self.grad_in_flight_bytes if self.grads_alive_at_start else 0
+        extra = self.grads_alive_at_start or self.optimizer_in_backward
+        return self.grad_in_flight_bytes if extra else 0
+
+    @property
+    def optimizer_in_backward(self) -> bool:
+        """Whether the loop steps each parameter in backward and frees its gradient then
+        (:attr:`Loop.optimizer_in_backward`): no parameter gradient outlives its phase."""
+        return self.loop.optimizer_in_backward
+
+    def bwd_peak(self, part: OptionCost | OutsideCost) -> int:
+        """The peak of a backward (an option's, the prefix's or the suffix's) in this loop:
+        its ``stepped_bwd_peak_bytes`` in a loop that steps the optimizer in backward,
+        where measured, else its ``bwd_peak_bytes``."""
+        stepped = part.stepped_bwd_peak_bytes
+        if self.optimizer_in_backward and stepped is not None:
+            return stepped
+        return part.bwd_peak_bytes
+
+    @property
+    def end_step_peak_bytes(self) -> int:
+        """The peak of the optimizer step after backward, above the bytes alive then: 0 for a
+        loop that steps in backward (its steps are in its phases' peaks)."""
+        return 0 if self.optimizer_in_backward else self.optimizer_step_peak_bytes
 
     @property
     def kept_last_output_bytes(self) -> int:
@@ -822,6 +870,14 @@ def _check_fields(
         _set(obj, name, checked_bool(getattr(obj, name), f"{owner}.{name}", ProfileError))
     for name in floats:
         _set(obj, name, checked_ms(getattr(obj, name), f"{owner}.{name}", ProfileError))
+
+
+def _check_stepped(obj: OptionCost | OutsideCost) -> None:
+    """``stepped_bwd_peak_bytes``: ``None`` or a byte count."""
+    if obj.stepped_bwd_peak_bytes is not None:
+        _set(obj, "stepped_bwd_peak_bytes", checked_bytes(
+            obj.stepped_bwd_peak_bytes, f"{type(obj).__name__}.stepped_bwd_peak_bytes",
+            ProfileError))
 
 
 def _checked_shapes(shapes: object) -> dict[str, tuple[int, ...]]:

@@ -7,6 +7,12 @@ autocast, the backward through a gradient scaler, the optimizer step) and whole
 with what the loop's variables keep alive from one iteration to the next). The
 profiler, ``remat.measure`` and the compiled search all call it, so what is
 profiled, predicted and measured is one loop.
+
+With ``Loop(optimizer_in_backward=True)`` its backward steps each parameter as its
+gradient is complete and frees the gradient (:mod:`.in_backward`: the hooks are
+installed for that backward only), and its optimizer step is only ``zero_grad``. The
+profiler's passes ask for a plain backward (``release=False``) and meter the steps
+themselves, so that its figures serve both loops.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.core.errors import LossNotFoundError, ProfileError
-from remat.core.loop import Loop
+from remat.core.errors import LoopError, LossNotFoundError, ProfileError
+from remat.core.loop import Loop, loop_code
+from remat.measurement.in_backward import ParamSteps, installed_on
 
 __all__ = ["Carry", "LossFn", "StepRunner", "call_model", "compute_loss", "forward_loss",
            "model_device", "output_tensors"]
@@ -128,9 +135,17 @@ class StepRunner:
     Args:
         model, batch, loss_fn: the model, one micro-batch, and how to get its loss
             (``None``: the output's ``.loss``).
-        optimizer: stepped after the last micro-batch (``None``: no optimizer step).
+        optimizer: stepped after the last micro-batch (``None``: no optimizer step), or
+            in backward, one parameter at a time (``loop.optimizer_in_backward``).
         loop: the training loop (:class:`~remat.core.loop.Loop`).
         device_type: the model's device type, for autocast and the gradient scaler.
+
+    Raises:
+        LoopError: the loop steps the optimizer in backward without an optimizer, or
+            with trainable parameters it does not step; or the model's parameters are
+            stepped in backward (``remat.optimizer_in_backward``) under a loop that says
+            they are not.
+        ArgumentError: an optimizer that cannot be stepped one parameter at a time.
     """
 
     def __init__(
@@ -154,6 +169,33 @@ class StepRunner:
         self.scaler = (torch.amp.GradScaler(device_type, init_scale=1.0)
                        if loop.grad_scaler and optimizer is not None else None)
         self.params = [p for p in model.parameters()]
+        # The per-parameter optimizers a loop that steps in backward runs.
+        self.in_backward = self._param_steps() if loop.optimizer_in_backward else None
+        if self.in_backward is None and installed_on(self.params):
+            raise LoopError(
+                "the model's parameters are stepped in backward (remat.optimizer_in_backward"
+                f" installed its hooks), but loop={loop_code(loop)} steps the optimizer after"
+                " backward; pass loop="
+                f"{loop_code(loop, optimizer_in_backward=True)}, or remove the hooks "
+                "(handle.remove())")
+
+    def _param_steps(self) -> ParamSteps:
+        """The loop's per-parameter optimizers (see :mod:`.in_backward`)."""
+        if self.optimizer is None:
+            raise LoopError(
+                f"loop={loop_code(self.loop)} steps the optimizer in backward, and no "
+                "optimizer was given: pass optimizer=, the optimizer you train with (the one "
+                "remat.optimizer_in_backward(model, optimizer) splits)")
+        steps = ParamSteps(self.optimizer)
+        missed = [n for n, p in self.model.named_parameters()
+                  if p.requires_grad and not steps.covers(p)]
+        if missed:
+            raise LoopError(
+                f"loop={loop_code(self.loop)}: the trainable parameters {missed[:3]}"
+                f"{'...' if len(missed) > 3 else ''} are not in the optimizer, so nothing "
+                "would step or free their gradients in backward; add them to the optimizer, "
+                "or set requires_grad=False on them")
+        return steps
 
     # -- the pieces ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -175,13 +217,23 @@ class StepRunner:
             loss = compute_loss(output, self.batch, self.loss_fn)
         return output, loss
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, through the gradient scaler when the loop has one."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, *, release: bool = True) -> None:
+        """``loss.backward()``, through the gradient scaler when the loop has one; with
+        ``loop.optimizer_in_backward`` (and ``release``) each parameter is stepped as its
+        gradient is complete, and the gradient freed. ``release=False``: a plain backward
+        that leaves every gradient (the profiler's passes, which meter the steps apart)."""
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        if release and self.in_backward is not None:
+            with self.in_backward.hooked():
+                scaled.backward()
+        else:
+            scaled.backward()
 
-    def optimizer_step(self) -> None:
-        """``optimizer.step()`` (through the scaler), then the loop's ``zero_grad``."""
-        if self.optimizer is not None:
+    def optimizer_step(self, *, whole: bool = False) -> None:
+        """``optimizer.step()`` (through the scaler), then the loop's ``zero_grad``. A loop
+        that steps in backward has stepped already: ``zero_grad`` only, unless ``whole``
+        (the optimizer's whole step after a plain backward, which the profiler meters)."""
+        if self.optimizer is not None and (whole or self.in_backward is None):
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()

@@ -37,6 +37,7 @@ from torch import nn
 
 from remat.core.errors import ProfileError
 from remat.measurement.host import host_copies
+from remat.measurement.in_backward import suspended
 
 __all__ = ["ModelState", "RngState", "check_not_lazy", "clear_grads", "training_session"]
 
@@ -299,15 +300,16 @@ def training_session(
     """Run measured training steps on ``model`` and leave no trace of them.
 
     On entry: snapshot the model (and optimizer), clear ``.grad``, switch to train
-    mode and enable grad. On exit, also on error: put everything back
-    (:meth:`ModelState.restore`). Yields the snapshot, whose ``rng`` and
-    ``restore_buffers()`` reset the state between steps.
+    mode and enable grad, and suspend the hooks that step its parameters in backward
+    (``remat.optimizer_in_backward``: remat runs the loop it was told). On exit, also on
+    error: put everything back (:meth:`ModelState.restore`), hooks active again. Yields
+    the snapshot, whose ``rng`` and ``restore_buffers()`` reset the state between steps.
     """
     state = ModelState.capture(model, optimizer)
     try:
         clear_grads(state.params)
         model.train()
-        with torch.enable_grad():
+        with torch.enable_grad(), suspended(state.params):
             yield state
     finally:
         state.restore()

@@ -146,6 +146,7 @@ def option_costs(draw: st.DrawFn, name: str) -> OptionCost:
         fwd_peak_bytes=draw(_bytes),
         bwd_peak_bytes=draw(_bytes),
         extra_ms=0.0 if name == KEEP else draw(_pos_ms),
+        stepped_bwd_peak_bytes=draw(st.sampled_from([None, None, draw(_bytes)])),
     )
 
 
@@ -190,6 +191,7 @@ def profiles(
         fwd_peak_bytes=_bytes,
         bwd_peak_bytes=_bytes,
         param_grad_bytes=_bytes,
+        stepped_bwd_peak_bytes=st.sampled_from([None, None, 0, 7, 30, 60]),
     )
     # Every byte figure simulate() may read is drawn, so that a change to its rules
     # the DP does not mirror fails the brute-force comparison.
@@ -224,9 +226,12 @@ def loop_figures(draw: st.DrawFn, n: int) -> dict:
                                    last_user=draw(st.integers(first, n - 1)),
                                    grad_bytes=draw(st.sampled_from([0, draw(_bytes)])),
                                    maker_output=born_after >= 0 and draw(st.booleans())))
+    steps, to_none = draw(st.sampled_from([1, 1, 2])), draw(st.booleans())
+    # Gradients stepped and freed in backward: only where that loop can hold.
+    in_backward = steps == 1 and to_none and draw(st.booleans())
     return {
-        "loop": Loop(accumulation_steps=draw(st.sampled_from([1, 1, 2])),
-                     set_to_none=draw(st.booleans())),
+        "loop": Loop(accumulation_steps=steps, set_to_none=to_none,
+                     optimizer_in_backward=in_backward),
         "carried_bytes": draw(st.sampled_from([0, draw(_bytes)])),
         "output_bytes": draw(st.sampled_from([0, draw(_bytes)])),
         "shared": tuple(shared),
@@ -269,17 +274,20 @@ def segment_profiles(draw: st.DrawFn, max_units: int = 8) -> Profile:
             KEEP: OptionCost(
                 draw(st.integers(15, 60)), draw(st.booleans()), draw(st.booleans()),
                 draw(st.integers(0, 70)), draw(st.integers(0, 20)), 0.0,
+                stepped_bwd_peak_bytes=draw(st.sampled_from([None, draw(st.integers(0, 40))])),
             )
         }
         if draw(st.integers(0, 5)) > 0:
             options[CKPT] = OptionCost(
                 draw(st.integers(0, 3)), True, False, draw(st.integers(0, 10)),
                 draw(st.integers(15, 80)), draw(_pos_ms),
+                stepped_bwd_peak_bytes=draw(st.sampled_from([None, draw(st.integers(0, 40))])),
             )
         if draw(st.booleans()):
             options[SEL] = OptionCost(
                 draw(st.integers(5, 30)), True, draw(st.booleans()), draw(st.integers(0, 70)),
                 draw(st.integers(0, 40)), draw(_pos_ms),
+                stepped_bwd_peak_bytes=draw(st.sampled_from([None, draw(st.integers(0, 40))])),
             )
         units.append(
             UnitProfile(

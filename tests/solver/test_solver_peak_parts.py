@@ -54,7 +54,8 @@ def test_at_the_optimizer_step_every_parameter_gradient_is_alive(profile: Profil
     # the gradients are exactly the parameter gradients (activation gradients are
     # consumed), and the rest is the loss, what the loop keeps to the end (its output,
     # shared tensors held to the end) and the step's working memory.
-    big = dataclasses.replace(profile, optimizer_step_peak_bytes=10**9)
+    after = dataclasses.replace(profile.loop, optimizer_in_backward=False)
+    big = dataclasses.replace(profile, optimizer_step_peak_bytes=10**9, loop=after)
     plan = rng.choice(list(all_plans(big)))
     sim = simulate(big, plan)
     assert sim.peak_event == "optimizer step"
@@ -62,3 +63,29 @@ def test_at_the_optimizer_step_every_parameter_gradient_is_alive(profile: Profil
     kept = (big.output_bytes + big.kept_last_output_bytes
             + sum(t.nbytes for t in big.shared if t.held_to_end))
     assert sim.peak_parts["activations"] == big.loss_bytes + kept + 10**9
+
+
+@SETTINGS
+@given(profiles(max_units=5, max_plans=300), st.randoms(use_true_random=False))
+def test_stepped_in_backward_no_parameter_gradient_outlives_its_phase(profile: Profile,
+                                                                      rng) -> None:
+    # With the optimizer stepped in backward there is no step after it (however large
+    # the step after backward measured), no gradient is alive at the end of backward,
+    # and a phase's step in backward puts the peak at that phase.
+    loop = dataclasses.replace(profile.loop, accumulation_steps=1, set_to_none=True,
+                               optimizer_in_backward=True)
+    big = dataclasses.replace(profile, optimizer_step_peak_bytes=10**9, loop=loop)
+    plan = rng.choice(list(all_plans(big)))
+    sim = simulate(big, plan)
+    assert sim.peak_bytes < 10**9
+    events = dict(sim.events)
+    assert events["optimizer step"] == events["backward end"]
+    assert big.persistent_bytes == big.fixed_bytes
+    stepped = dataclasses.replace(big, suffix=dataclasses.replace(
+        big.suffix, stepped_bwd_peak_bytes=10**9))
+    sim = simulate(stepped, plan)
+    assert sim.peak_event == "backward suffix"
+    # Not in the loop that steps after backward: the figure is the in-backward loop's.
+    plain = dataclasses.replace(stepped, optimizer_step_peak_bytes=0, loop=dataclasses.replace(
+        loop, optimizer_in_backward=False))
+    assert simulate(plain, plan).peak_bytes < 10**9
