@@ -16,6 +16,7 @@ remat has, the smallest peak with it:
   profile with a splittable optimizer carries (each phase's backward peak with its
   gradients freed and its parameters' own steps metered: ``stepped_bwd_peak_bytes``), so
   it is predicted like any plan, not measured under the loop;
+* **chunked head + gradients released**: both, where both are available;
 * **offload**: keeping units' saved activations in host memory (CUDA only).
 
 The estimate (:mod:`remat.preflight`) prints both. Torch-free: profiles in, words and
@@ -99,8 +100,17 @@ def lowest_peak_bytes(profile: Profile) -> int:
 
 def remedies(profile: Profile) -> tuple[Remedy, ...]:
     """Each remedy remat has, alone on top of checkpointing, with the smallest peak it
-    reaches on ``profile``."""
-    return (_chunked_head(profile), _gradients_released(profile), _offload(profile))
+    reaches on ``profile``; then the chunked head and gradients released together, where
+    both are available (each lowers a different part of the floor)."""
+    head, released = _chunked_head(profile), _gradients_released(profile)
+    both = ()
+    if head.peak_bytes is not None and released.peak_bytes is not None:
+        loop = Loop(**{**profile.loop.to_dict(), "optimizer_in_backward": True})
+        _, nbytes = lowest_floor(replace(checkpointing_only(profile), head=profile.head,
+                                         loop=loop))
+        both = (Remedy("chunked head + gradients released", nbytes,
+                       "both of the above, with that loop"),)
+    return (head, released, *both, _offload(profile))
 
 
 def _chunked_head(profile: Profile) -> Remedy:

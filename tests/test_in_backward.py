@@ -154,6 +154,33 @@ def test_the_remedy_says_why_it_is_not_there() -> None:
     assert remedy.peak_bytes is None and "accumulation_steps=1" in remedy.note
 
 
+def test_both_remedies_together_are_predicted_and_measured() -> None:
+    """A chunked head lowers the head's part of the floor, gradients released the
+    gradients' part: together the estimate predicts the floor of the released loop's
+    profile with its head chunked, and the plan there measures it."""
+    case = lm.causal_lm_head_loss()
+    optimizer = torch.optim.AdamW(case.model.parameters())
+    kw = {"loss_fn": case.loss_fn, "optimizer": optimizer, "repeats": 1}
+    plain = remat.profile(case.model, case.batch, loop=PLAIN, **kw)
+    remedies = {r.name: r for r in remat.estimate(plain).remedies}
+    both = remedies["chunked head + gradients released"]
+    assert both.peak_bytes is not None
+    assert both.peak_bytes <= min(remedies["chunked head"].peak_bytes,
+                                  remedies["gradients released"].peak_bytes)
+    released = remat.profile(case.model, case.batch, loop=RELEASED, **kw)
+    floor = min_feasible_peak(released)
+    assert abs(both.peak_bytes - floor) <= PEAK_TOLERANCE * floor
+    plan = remat.solve(released, floor)
+    assert plan.head is not None
+    remat.apply_plan(case.model, plan)
+    try:
+        measured = remat.measure(case.model, case.batch, loss_fn=case.loss_fn, loop=RELEASED,
+                                 optimizer=optimizer, repeats=1)
+    finally:
+        remat.remove_plan(case.model)
+    assert measured.worst_peak_bytes <= floor
+
+
 # --------------------------------------------------------------------- refusals
 @pytest.mark.parametrize(("loop", "fix"), [
     (dict(accumulation_steps=2), "accumulation_steps=1"),
