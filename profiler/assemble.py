@@ -165,6 +165,16 @@ def _unit_profile(
     )
 
 
+def _suffix_fwd_peak(m: Measurements) -> int:
+    """The suffix's forward peak: with the units' inputs that died in it held (their own
+    options save them, ``keep`` included), or as measured (see ``OutsideStep``)."""
+    base = m.base
+    if base.units_inputs_dying and all(m.figures[m.units[i][0]][Option.KEEP].holds_input
+                                       for i in base.units_inputs_dying):
+        return base.suffix_fwd_peak_inputs_held
+    return max(base.suffix.fwd_peak_bytes, 0)
+
+
 def build_profile(
     m: Measurements,
     *,
@@ -213,7 +223,7 @@ def build_profile(
         ),
         suffix=OutsideCost(
             held_bytes=base.suffix.held_bytes,
-            fwd_peak_bytes=max(base.suffix.fwd_peak_bytes, 0),
+            fwd_peak_bytes=_suffix_fwd_peak(m),
             bwd_peak_bytes=max(base.suffix.bwd_peak_bytes, 0),
             param_grad_bytes=m.grads.suffix_bytes,
             fwd_ms=fwd_ms["suffix"],

@@ -162,6 +162,11 @@ class OutsideStep:
     last_output_kept: bool = False
     shared: tuple[SharedInStep, ...] = ()
     param_grads: tuple[ParamGrad, ...] = ()
+    # The units whose input died during the suffix's forward (a local of the model's
+    # held it), and the suffix's forward peak were they all saved by the units' options
+    # (see where it is computed).
+    units_inputs_dying: tuple[int, ...] = ()
+    suffix_fwd_peak_inputs_held: int = 0
 
     @property
     def n(self) -> int:
@@ -509,6 +514,25 @@ def _figures(
     transient = meter.dying_bytes(last.fwd_end.tick, F,
                                   exclude=[last.output_record] if is_chain else [])
     suffix_fwd_peak = meter.rise(last.fwd_end.index, w.forward_end.index) + transient
+    # A unit's input may die here too (a local of the model's forward held it until the
+    # units returned): counted above as a storage simulate() does not count. Where the
+    # unit's options all save it (checkpoint and selective do; keep when it saved it)
+    # simulate() counts it through the suffix, so the peak is the one with its death
+    # deferred and without it added: assemble picks that figure where it holds.
+    inputs = [u.input_record for u in units]
+    inputs_dying = []
+    for r in dict.fromkeys(i for i in inputs if i is not None):
+        rec = meter.records[r]
+        if (rec.alive_at(last.fwd_end.tick) and rec.died is not None and rec.died <= F
+                and not (is_chain and r == last.output_record)):
+            inputs_dying.append(r)
+    suffix_fwd_peak_inputs_held = suffix_fwd_peak
+    if inputs_dying:
+        suffix_fwd_peak_inputs_held += (
+            meter.deferred_rise(last.fwd_end.tick, F, defer=inputs_dying)
+            - meter.deferred_rise(last.fwd_end.tick, F, defer=())
+            - sum(meter.records[r].nbytes for r in inputs_dying))
+    units_inputs_dying = tuple(i for i, r in enumerate(inputs) if r in inputs_dying)
     forward_transient = max(
         meter.dying_bytes(u.fwd_start.tick, F, exclude=[u.input_record]) for u in units
     )
@@ -572,6 +596,8 @@ def _figures(
         prefix=OutsideFigures(prefix_held, meter.rise(w.start.index, first.fwd_start.index),
                               prefix_bwd_peak),
         suffix=OutsideFigures(suffix_held, suffix_fwd_peak, suffix_bwd_peak),
+        suffix_fwd_peak_inputs_held=max(suffix_fwd_peak_inputs_held, 0),
+        units_inputs_dying=units_inputs_dying,
         peak_bytes=meter.overall_peak_bytes,
         held_after_forward_bytes=w.forward_end.live_bytes,
         forward_transient_bytes=forward_transient,

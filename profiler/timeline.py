@@ -134,6 +134,24 @@ class TimelineMeter(MemoryMeter):
             peak = max(peak, *self.allocator.peak)
         return peak
 
+    def deferred_rise(self, start: int, end: int, *, defer: Iterable[int | None]) -> int:
+        """Highest dispatch-level live bytes after tick ``start`` up to tick ``end``, above
+        those at ``start``, with the records in ``defer`` kept alive past ``end``: storages
+        that die in the window here but that a model of the step counts as held
+        through it (a unit's input that its option saves)."""
+        keep = {i for i in defer if i is not None}
+        deltas: dict[int, int] = {}
+        for i, r in enumerate(self.records):
+            if start < r.born <= end:
+                deltas[r.born] = deltas.get(r.born, 0) + r.nbytes
+            if r.died is not None and start < r.died <= end and i not in keep:
+                deltas[r.died] = deltas.get(r.died, 0) - r.nbytes
+        live = peak = 0
+        for tick in sorted(deltas):
+            live += deltas[tick]
+            peak = max(peak, live)
+        return peak
+
     def hidden_held(self, start: int, end: int) -> int:
         """Bytes the allocator saw made between marks ``start`` and ``end`` (by index) and
         still alive at ``end`` that the dispatch level did not: tensors made outside the
