@@ -51,6 +51,16 @@ def _train_released(model: nn.Module, case: lm.Case, steps: int) -> remat.Loop:
     return handle
 
 
+def _measured_under(plan: remat.Plan, case: lm.Case, optimizer: torch.optim.Optimizer):
+    """One step of the released loop, measured with ``plan`` applied (removed after)."""
+    remat.apply_plan(case.model, plan)
+    try:
+        return remat.measure(case.model, case.batch, loss_fn=case.loss_fn, loop=RELEASED,
+                             optimizer=optimizer, repeats=1)
+    finally:
+        remat.remove_plan(case.model)
+
+
 def test_training_in_backward_is_training_with_the_optimizer() -> None:
     """Bitwise, on CPU float32 with the same (for-loop) AdamW kernel, an LR scheduler
     on the user's optimizer included: each parameter's step is the one the whole
@@ -103,12 +113,7 @@ def test_budgets_hold_in_backward(lm_case, fraction: float) -> None:
                        optimizer=optimizer, units=[u.name for u in profile.units])
     assert plan.target.loop == RELEASED
     assert plan.verification is not None and plan.verification.measured_peak_bytes <= budget
-    remat.apply_plan(case.model, plan)
-    try:
-        measured = remat.measure(case.model, case.batch, loss_fn=case.loss_fn, loop=RELEASED,
-                                 optimizer=optimizer, repeats=1)
-    finally:
-        remat.remove_plan(case.model)
+    measured = _measured_under(plan, case, optimizer)
     assert measured.worst_peak_bytes <= budget
     error = abs(plan.record.predicted_peak_bytes - measured.worst_peak_bytes)
     assert error <= PEAK_TOLERANCE * measured.worst_peak_bytes, (
@@ -129,12 +134,7 @@ def test_releasing_the_gradients_lowers_the_floor(lm_case) -> None:
     assert abs(remedy.peak_bytes - floor_released) <= PEAK_TOLERANCE * floor_released
     # And it is what the step measures at that floor.
     plan = remat.solve(released, floor_released)
-    remat.apply_plan(case.model, plan)
-    try:
-        measured = remat.measure(case.model, case.batch, loss_fn=case.loss_fn, loop=RELEASED,
-                                 optimizer=optimizer, repeats=1)
-    finally:
-        remat.remove_plan(case.model)
+    measured = _measured_under(plan, case, optimizer)
     assert abs(measured.worst_peak_bytes - remedy.peak_bytes) <= PEAK_TOLERANCE * floor_released
     assert measured.worst_peak_bytes < floor_plain
     in_use = {r.name: r for r in remat.estimate(released).remedies}["gradients released"]
@@ -172,12 +172,7 @@ def test_both_remedies_together_are_predicted_and_measured() -> None:
     assert abs(both.peak_bytes - floor) <= PEAK_TOLERANCE * floor
     plan = remat.solve(released, floor)
     assert plan.head is not None
-    remat.apply_plan(case.model, plan)
-    try:
-        measured = remat.measure(case.model, case.batch, loss_fn=case.loss_fn, loop=RELEASED,
-                                 optimizer=optimizer, repeats=1)
-    finally:
-        remat.remove_plan(case.model)
+    measured = _measured_under(plan, case, optimizer)
     assert measured.worst_peak_bytes <= floor
 
 
