@@ -3,8 +3,8 @@
 With every block checkpointed, a language model's step peaks in its head: the logits
 (tokens x vocabulary), their float32 copy for the loss and their gradient, alive together.
 Chunked, the projection and the cross entropy run over ``chunks`` slices of the tokens,
-each slice a checkpoint region that holds only its hidden states and recomputes its
-logits in backward: one slice's logits at a time, for one more head forward of time.
+each slice's gradients computed while its logits exist (in forward), summed into one
+weight gradient: one slice's logits at a time, at the unchunked head's three products.
 
 Two ways in, one computation (:func:`chunked_cross_entropy`):
 
@@ -35,7 +35,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from remat.execute.linear_cross_entropy import linear_cross_entropy
+from remat.execute.tied_embedding import claim, tie, untie
 
 __all__ = [
     "IGNORE_INDEX",
@@ -58,12 +60,6 @@ IGNORE_INDEX = -100
 _CHUNKS_ATTR = "_remat_head_chunks"  # on a head module: the chunk count a plan chose
 
 
-def _slice_loss(hidden: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
-
-
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     head: nn.Linear,
@@ -77,23 +73,16 @@ def chunked_cross_entropy(
 
     ``hidden`` is ``(..., features)``, ``target`` the matching ``(...)`` class indices. The
     sum over the tokens that count is divided by ``divide_by`` (default: their number, the
-    mean ``cross_entropy`` takes). Each slice is a checkpoint region (its logits are
-    recomputed in backward); the values are the plain computation's up to the order of
-    a float32 sum.
+    mean ``cross_entropy`` takes). The slices' gradients are computed with their logits
+    (:mod:`remat.execute.linear_cross_entropy`); the values are the plain computation's
+    up to the order of a float32 sum.
     """
-    features = hidden.shape[-1]
-    flat, labels = hidden.reshape(-1, features), target.reshape(-1).to(hidden.device)
-    total: torch.Tensor | None = None
-    for h, t in zip(flat.chunk(chunks), labels.chunk(chunks)):
-        part = checkpoint(_slice_loss, h, t, head.weight, head.bias, ignore_index,
-                          use_reentrant=False)
-        total = part if total is None else total + part
-    assert total is not None
-    if divide_by is None:
-        divide_by = (labels != ignore_index).sum()
-    if torch.is_tensor(divide_by):
-        divide_by = divide_by.to(total.device)
-    return total / divide_by
+    tied_to = None
+    if torch.is_grad_enabled() and head.weight.requires_grad:
+        tied_to = claim(head, head.weight, hidden)
+    return linear_cross_entropy(hidden, head.weight, head.bias, target, chunks=chunks,
+                                ignore_index=ignore_index, divide_by=divide_by,
+                                tied_to=tied_to)
 
 
 def head_loss(
@@ -296,17 +285,20 @@ def install_head(model: nn.Module, site: HeadSite, chunks: int | None) -> None:
     """The head of ``model`` at ``site`` runs over ``chunks`` chunks from now on."""
     if chunks is None:
         return
+    head = model.get_submodule(site.name)
     if site.kind == "causal-lm":
         model.forward = _ChunkedCausalLMForward(model, chunks)
     else:
-        setattr(model.get_submodule(site.name), _CHUNKS_ATTR, chunks)
+        setattr(head, _CHUNKS_ATTR, chunks)
+    tie(model, head)
 
 
 def remove_head(model: nn.Module, site: HeadSite) -> None:
     """Undo :func:`install_head` (a no-op where nothing was installed)."""
+    head = model.get_submodule(site.name)
     if site.kind == "causal-lm":
         if isinstance(model.__dict__.get("forward"), _ChunkedCausalLMForward):
             del model.__dict__["forward"]
     else:
-        head = model.get_submodule(site.name)
         head.__dict__.pop(_CHUNKS_ATTR, None)
+    untie(model, head)
