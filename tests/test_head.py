@@ -117,6 +117,27 @@ def test_a_head_tied_to_the_embedding_gives_the_plain_gradients_and_holds_one_co
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
+def test_a_chunked_head_tied_to_the_embedding_compiles_to_one_graph() -> None:
+    from remat.execute.head import HeadSite, install_head, remove_head
+
+    model, ids, target = _tied_case()
+    reference = copy.deepcopy(model)
+    reference(ids, target).backward()
+    site = HeadSite("head", "head_loss")
+    install_head(model, site, 4)
+    try:
+        explained = torch._dynamo.explain(model)(ids, target)
+        torch._dynamo.reset()
+        loss = torch.compile(model, backend="aot_eager")(ids, target)
+        loss.backward()
+    finally:
+        remove_head(model, site)
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, explained.break_reasons
+    for got, want in zip(_grads(model), _grads(reference)):  # traced: no handoff, same sums
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_a_chunked_loss_backpropagated_twice_is_refused() -> None:
     torch.manual_seed(0)
     head, hidden = nn.Linear(8, 50), torch.randn(40, 8, requires_grad=True)

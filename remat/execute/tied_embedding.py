@@ -93,7 +93,7 @@ def claim(head: nn.Module | None, weight: torch.Tensor, hidden: torch.Tensor) ->
     ``weight``'s gradient from the head, claimed for this head; ``None`` if there is none
     (the head then returns its gradient itself)."""
     link = getattr(head, _LINK_ATTR, None)
-    if link is None or hidden.grad_fn is None:
+    if link is None or torch.compiler.is_compiling() or hidden.grad_fn is None:
         return None
     candidates = [n for n in link.live() if n.weight is weight and not n.claimed]
     if not candidates:
@@ -134,7 +134,9 @@ class _TiedEmbeddingForward:
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Embedding's name
         module = self.module
-        if not (torch.is_grad_enabled() and module.weight.requires_grad):
+        # Traced (torch.compile), the graph is not the one backward runs: no handoff.
+        if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
+                or not module.weight.requires_grad):
             return type(module).forward(module, input)
         out = _Embedding.apply(input, module.weight, module.padding_idx)
         self.link.record(out.grad_fn)
