@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -207,7 +208,9 @@ def run_cli(cases: dict[str, Callable[[], Case]], *, description: str, title: st
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     rows = [row for name in args.cases for row in rows_for(name, args.repeats, cases[name])]
-    report(rows, title=title, command=f".venv/bin/python benchmarks/{script}.py",
+    # The command as run, flags included: a figure is reproduced with its flags.
+    command = " ".join([f".venv/bin/python benchmarks/{script}.py", *sys.argv[1:]])
+    report(rows, title=title, command=command,
            threads=args.threads, seconds=time.perf_counter() - start, out=args.out)
 
 
