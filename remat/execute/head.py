@@ -79,7 +79,7 @@ def chunked_cross_entropy(
     """
     tied_to = None
     if torch.is_grad_enabled() and head.weight.requires_grad:
-        tied_to = claim(head, head.weight, hidden)
+        tied_to = claim(head, hidden)
     return linear_cross_entropy(hidden, head.weight, head.bias, target, chunks=chunks,
                                 ignore_index=ignore_index, divide_by=divide_by,
                                 tied_to=tied_to)

@@ -88,14 +88,14 @@ def untie(model: nn.Module, head: nn.Linear) -> None:
             del module.__dict__["forward"]
 
 
-def claim(head: nn.Module | None, weight: torch.Tensor, hidden: torch.Tensor) -> Any:
-    """The embedding call (its autograd node) ``hidden`` came from that will take
-    ``weight``'s gradient from the head, claimed for this head; ``None`` if there is none
-    (the head then returns its gradient itself)."""
+def claim(head: nn.Linear, hidden: torch.Tensor) -> Any:
+    """The embedding call (its autograd node) ``hidden`` came from that will take the
+    gradient of ``head``'s weight from the head, claimed for this head; ``None`` if there
+    is none (the head then returns its gradient itself)."""
     link = getattr(head, _LINK_ATTR, None)
     if link is None or torch.compiler.is_compiling() or hidden.grad_fn is None:
         return None
-    candidates = [n for n in link.live() if n.weight is weight and not n.claimed]
+    candidates = [n for n in link.live() if n.weight is head.weight and not n.claimed]
     if not candidates:
         return None
     found = _reachable(hidden.grad_fn, {id(n): n for n in candidates})
