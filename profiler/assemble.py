@@ -60,7 +60,7 @@ class Measurements:
     fixed_bytes: int
     param_bytes: int
     buffer_bytes: int
-    loop: Loop = field(default_factory=Loop)
+    loop: Loop  # always the profiled loop: the default is made once, by loop_or_default
     batch_bytes: int = 0
     inputs_kept_by_caller: list[bool] = field(default_factory=list)
     steps: StepPlaces | None = None  # backward peaks when stepping in backward, per place

@@ -74,6 +74,7 @@ from remat.core.loop import loop_code
 from remat.core.plan import Plan
 from remat.measurement.in_backward import steps_in_backward
 from remat.measurement.runner import output_tensors
+from remat.measurement.storage import storage_bytes
 
 __all__ = ["LoopChecks", "OutputWatch", "PlanGuard", "call_shapes", "replaced_units",
            "scaled_peak"]
@@ -258,14 +259,6 @@ def _param_slot(modules: list[nn.Module], model: nn.Module,
     return None
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    """The bytes of ``t``'s storage (its elements' for a tensor without one: a DTensor)."""
-    try:
-        return t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
-        return t.numel() * t.element_size()
-
-
 def _unit_containers(model: nn.Module, names: tuple[str, ...]) -> tuple[tuple[str, nn.Module,
                                                                               int], ...]:
     """``(name, module, number of children)`` of each module that holds units directly
@@ -389,7 +382,7 @@ class LoopChecks:
         loop = self.loop
         assert loop is not None
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        nbytes = sum(_nbytes(g) for g in grads)
+        nbytes = storage_bytes(grads)
         # Zeroed in place or accumulated; a sharded gradient (DTensor) is not looked into.
         zeroed = all(type(g) is torch.Tensor and not bool(g.any()) for g in grads)
         if loop.optimizer_in_backward:  # the hooks that free each gradient are missing
@@ -420,7 +413,7 @@ class LoopChecks:
     def not_stepped(self, model: nn.Module) -> None:
         loop = self.loop
         assert loop is not None
-        nbytes = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
+        nbytes = storage_bytes(p for p in model.parameters() if p.requires_grad)
         self.report("stepped", (
             "remat: the planned model's parameters are not stepped in backward, and the plan "
             f"was solved for a loop that steps each as its gradient is complete and frees the "
@@ -507,7 +500,7 @@ class _OutputHeld:
     def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         t = self.ref()
         if t is not None:
-            self.checks.output_kept(_nbytes(t))
+            self.checks.output_kept(storage_bytes(t))
 
 
 class OutputWatch:

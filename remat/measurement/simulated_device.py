@@ -24,6 +24,7 @@ import torch
 from remat.core.bytesize import format_bytes
 from remat.measurement.host import making_host_copies
 from remat.measurement.meter import MemoryMeter
+from remat.measurement.storage import storage_nbytes
 
 __all__ = ["SimulatedDevice"]
 
@@ -62,7 +63,7 @@ class SimulatedDevice(MemoryMeter):
         capacity = self.capacity_bytes
         if capacity is not None and not aliased and t.layout == torch.strided \
                 and t.device.type != "meta" and self._counts(t):
-            wanted = t.untyped_storage().nbytes()
+            wanted = storage_nbytes(t)
             if id(t.untyped_storage()) not in self._sizes and self.used_bytes + wanted > capacity:
                 self.out_of_memory += 1
                 # Not counted: the caller drops the tensor as the error unwinds.
