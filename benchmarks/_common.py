@@ -1,7 +1,7 @@
 """What the benchmark scripts share: where results go, the machine line, markdown tables.
 
 Bytes are formatted by :mod:`remat.core.bytesize`, models called by
-:func:`remat.measurement.step.call_model`: the scripts import those, not copies.
+:func:`remat.measurement.runner.call_model`: the scripts import those, not copies.
 Each script still sets ``OMP_WAIT_POLICY`` itself, before it imports torch (see
 ``peers_run.py`` for why); importing this module imports no torch.
 """
