@@ -71,8 +71,8 @@ f x (no-checkpoint peak - persistent), from remat's profile.
 everything the step allocates, gradients included (they are dropped before each measured step). \
 *dispatch*: remat's `MemoryMeter` (live tensor storages, as `remat.measure` reports it); \
 *allocator*: `torch.profiler` allocation/free events summed in time order \
-(`remat/measurement/allocator.py`), which also sees kernel scratch buffers and compiled code. The allocator \
-figure is what a GPU's `max_memory_allocated` corresponds to; $allocator_vs_dispatch.
+(`remat/measurement/allocator.py`), which also sees kernel scratch buffers and compiled code. \
+The allocator figure is what a GPU's `max_memory_allocated` corresponds to; $allocator_vs_dispatch.
 - **met**: eager methods are judged on the dispatch figure (the instrument remat plans with); \
 compiled ones ($torch_compile, $remat_compiled) on the allocator figure, because the dispatch \
 meter cannot see compiled code (under a dispatch mode a compiled model runs eagerly). Methods \
