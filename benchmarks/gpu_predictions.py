@@ -108,7 +108,9 @@ def llama_1b(device: torch.device, smoke: bool) -> Case:
 MODELS: dict[str, Callable[[torch.device, bool], Case]] = {"gpt2": gpt2, "llama-1b": llama_1b}
 
 
-def _empty_cache(device: torch.device) -> None:
+def empty_cache(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back (CUDA): what a step reserves is then
+    its own, not what earlier steps left cached."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -124,7 +126,7 @@ def prediction_rows(name: str, case: Case, device: torch.device, repeats: int
         budget = lo + int(fraction * (hi - lo))
         plan = remat.solve(profile, memory_budget=budget)
         remat.apply_plan(case.model, plan)
-        _empty_cache(device)  # reserved as a training run of this plan alone would see it
+        empty_cache(device)  # reserved as a training run of this plan alone would see it
         try:
             m = remat.measure(case.model, case.batch, optimizer=case.optimizer, loop=LOOP,
                               repeats=repeats)
@@ -152,7 +154,7 @@ def _device_cap(device: torch.device, cap: int, resident: int):
     :class:`SimulatedDevice` on the CPU. Yields what reads the peak afterwards."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        _empty_cache(device)
+        empty_cache(device)
         torch.cuda.set_per_process_memory_fraction(cap / total, device)
         torch.cuda.reset_peak_memory_stats(device)
         try:
@@ -196,7 +198,7 @@ def under_the_cap(name: str, case: Case, profile: remat.Profile, device: torch.d
             row["unplanned step"] = "out of memory"
         case.model.zero_grad(set_to_none=True)
     forget_profiles()  # everything solve() measures, it measures under the cap
-    _empty_cache(device)
+    empty_cache(device)
     with _device_cap(device, cap, resident) as peaks:
         start = time.perf_counter()
         try:
@@ -252,7 +254,7 @@ def main() -> None:
         rows += [{**r, "model": f"{name} ({case.note})"} for r in case_rows]
         capped.append(under_the_cap(name, case, profile, device, args.cap_at))
         del case, profile
-        _empty_cache(device)
+        empty_cache(device)
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     command = " ".join([*(["PYTORCH_CUDA_ALLOC_CONF=" + alloc_conf] if alloc_conf else []),
                         "python3 benchmarks/gpu_predictions.py", *sys.argv[1:]])

@@ -57,10 +57,12 @@ DEFAULT_PARTITIONER_BUDGETS = (1.0, 0.7, 0.4)
 @dataclass(frozen=True)
 class CompiledStep:
     """A compiled training step, measured: allocator peak (everything included), in
-    bytes, and median time in milliseconds (``None`` when not timed)."""
+    bytes, median time in milliseconds (``None`` when not timed), and on CUDA the
+    caching allocator's reserved peak (``None`` elsewhere)."""
 
     peak_bytes: int
     time_ms: float | None = None
+    reserved_bytes: int | None = None
 
 
 @contextmanager
@@ -145,7 +147,7 @@ def measure_compiled(
     finally:
         torch._dynamo.reset()
     assert step.allocator_peak_bytes is not None  # measured with the allocator
-    return CompiledStep(step.allocator_peak_bytes, step.time_ms)
+    return CompiledStep(step.allocator_peak_bytes, step.time_ms, step.reserved_peak_bytes)
 
 
 Measure = Callable[[Plan, float, int], CompiledStep]
