@@ -255,8 +255,8 @@ def solve(
             "compiled=True)"
         )
     if isinstance(model_or_profile, Profile):
-        plan = _solve(model_or_profile, sample_batch, budget, method=method,
-                      verify=False, solver_params=solver_params)
+        plan = _solve(model_or_profile, sample_batch, _within_device(model_or_profile, budget),
+                      method=method, verify=False, solver_params=solver_params)
     else:
         from remat.ambient import planning
 
@@ -264,6 +264,8 @@ def solve(
             prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,
                                optimizer=optimizer, units=units, options=options, loop=loop,
                                granularity=granularity, head=head)
+            # Both searches plan within what the device can give (CUDA), eager or compiled.
+            budget = _within_device(prof, budget)
             if compiled:
                 from remat.compiled import solve_compiled
 
@@ -311,7 +313,7 @@ def _solve(prof: Profile, sample_batch: Any, budget: Any, *, method: str, verify
     """:func:`solve`'s plan for ``prof``, verified on ``model`` when there is one and a budget."""
     from remat.solver.solve import solve_profile
 
-    plan = solve_profile(prof, _within_device(prof, budget), method=method, **solver_params)
+    plan = solve_profile(prof, budget, method=method, **solver_params)
     if not verify or plan.budget_bytes is None or model is None:
         return plan
     from remat.verify import measure_plan, verified

@@ -212,3 +212,33 @@ def test_a_budget_above_what_the_cuda_device_can_give_is_capped(monkeypatch) -> 
     assert api._within_device(on_cuda, 10**9) == 4_500_000
     assert api._within_device(on_cuda, 10**6) == 10**6
     assert api._within_device(prof, 10**9) == 10**9  # the CPU gives no such ceiling
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_both_searches_plan_within_what_the_device_can_give(monkeypatch, compiled) -> None:
+    # The compiled search once took the budget as asked, past the device's capacity.
+    from remat import api
+    from remat import compiled as compiled_search
+
+    capped = []
+
+    def within(profile, budget):  # a device that can give half of what was asked
+        capped.append(budget)
+        return budget // 2
+
+    seen = []
+
+    def search(model, batch, prof, budget, **_kw):
+        from remat.solver.solve import solve_profile
+
+        seen.append(budget)
+        return solve_profile(prof, budget)
+
+    monkeypatch.setattr(api, "_within_device", within)
+    monkeypatch.setattr(compiled_search, "solve_compiled", search)
+    ref = models.build("mlp", size="tiny")
+    plan = remat.solve(ref.model, ref.batch, memory_budget=10**9, loss_fn=ref.loss_fn,
+                       compiled=compiled, verify=False)
+    assert capped == [10**9]
+    assert plan.budget_bytes == 10**9 // 2
+    assert seen == ([10**9 // 2] if compiled else [])
