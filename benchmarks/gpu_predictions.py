@@ -102,7 +102,7 @@ def llama_1b(device: torch.device, smoke: bool) -> Case:
                   num_attention_heads=32, num_key_value_heads=4, vocab_size=32000))
     return _build(lambda t: t.LlamaConfig(max_position_embeddings=2048, use_cache=False,
                                           **shape),
-                  "LlamaForCausalLM", *((4, 128) if smoke else (8, 2048)), device)
+                  "LlamaForCausalLM", *((4, 128) if smoke else (4, 2048)), device)
 
 
 MODELS: dict[str, Callable[[torch.device, bool], Case]] = {"gpt2": gpt2, "llama-1b": llama_1b}
