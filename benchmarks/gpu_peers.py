@@ -27,23 +27,29 @@ benchmarks/results/gpu-<device>.md.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as dt
 import inspect
-import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see peers_run.py
 
 import torch  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
-from gpu_predictions import LOOP, MODELS, Case, empty_cache  # noqa: E402
+from gpu_predictions import (  # noqa: E402
+    LOOP,
+    MODELS,
+    Case,
+    alloc_conf,
+    command_line,
+    device_slug,
+    empty_cache,
+    script_device,
+    script_parser,
+)
 from torch import nn  # noqa: E402
 
 import remat  # noqa: E402
@@ -177,18 +183,10 @@ def rows_for(name: str, case: Case, repeats: int, compile_budgets: list[float]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["gpt2"], choices=list(MODELS))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = script_parser(__doc__.split("\n\n")[0], ["gpt2"])
     parser.add_argument("--compile-budgets", nargs="*", type=float, default=[1.0, 0.5])
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny configs, any device: checks the script, writes no result")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type != "cuda" and not args.smoke:
-        sys.exit("gpu_peers: no CUDA device; --smoke checks the script on the CPU")
+    device = script_device("gpu_peers", args.smoke)
     start = time.perf_counter()
     rows = []
     for name in args.models:
@@ -199,14 +197,12 @@ def main() -> None:
         empty_cache(device)
     import transformers
 
-    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    command = " ".join([*(["PYTORCH_CUDA_ALLOC_CONF=" + alloc_conf] if alloc_conf else []),
-                        "python3 benchmarks/gpu_peers.py", *sys.argv[1:]])
+    command = command_line("gpu_peers.py")
     header = (
         "# remat against its peers on a GPU, at equal measured peak\n\n"
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; machine: "
         f"{machine_line()}; transformers {transformers.__version__}; allocator config: "
-        f"`{alloc_conf or 'default'}`\n"
+        f"`{alloc_conf() or 'default'}`\n"
         f"- command: `{command}` ({time.perf_counter() - start:.0f} s)\n"
         "- loop: bf16 autocast, fused AdamW, output dropped; peak: one optimizer step, "
         "everything included (`torch.cuda.max_memory_allocated`); reserved: "
@@ -217,8 +213,7 @@ def main() -> None:
     if args.smoke:
         print(text)
         return
-    slug = torch.cuda.get_device_name().replace("NVIDIA ", "").split()[0].lower()
-    write_result(args.out or RESULTS / f"gpu-{slug}.md", text)
+    write_result(args.out or RESULTS / f"gpu-{device_slug()}.md", text)
 
 
 if __name__ == "__main__":

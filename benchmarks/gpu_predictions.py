@@ -230,21 +230,50 @@ def under_the_cap(name: str, case: Case, profile: remat.Profile, device: torch.d
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+def script_parser(description: str, models: list[str]) -> argparse.ArgumentParser:
+    """The options both GPU scripts take: models, repeats, ``--smoke``, ``--out``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", nargs="+", default=models, choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cap-at", type=float, default=0.25,
-                        help="the device cap: the smallest feasible peak plus this share of "
-                             "the range up to the unplanned step's predicted peak")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny configs, any device: checks the script, writes no result")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def script_device(script: str, smoke: bool) -> torch.device:
+    """CUDA, or the CPU for ``--smoke`` (a real run without CUDA stops here)."""
     logging.basicConfig(level=logging.WARNING)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type != "cuda" and not args.smoke:
-        sys.exit("gpu_predictions: no CUDA device; --smoke checks the script on the CPU")
+    if device.type != "cuda" and not smoke:
+        sys.exit(f"{script}: no CUDA device; --smoke checks the script on the CPU")
+    return device
+
+
+def alloc_conf() -> str:
+    """The caching allocator's configuration this process runs with ('' by default)."""
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
+def command_line(script: str) -> str:
+    """The command as run, the allocator's configuration and the flags included."""
+    conf = alloc_conf()
+    return " ".join([*([f"PYTORCH_CUDA_ALLOC_CONF={conf}"] if conf else []),
+                     f"python3 benchmarks/{script}", *sys.argv[1:]])
+
+
+def device_slug() -> str:
+    """``h100`` for an 'NVIDIA H100 80GB HBM3': the results' file names."""
+    return torch.cuda.get_device_name().replace("NVIDIA ", "").split()[0].lower()
+
+
+def main() -> None:
+    parser = script_parser(__doc__.split("\n\n")[0], list(MODELS))
+    parser.add_argument("--cap-at", type=float, default=0.25,
+                        help="the device cap: the smallest feasible peak plus this share of "
+                             "the range up to the unplanned step's predicted peak")
+    args = parser.parse_args()
+    device = script_device("gpu_predictions", args.smoke)
     start = time.perf_counter()
     rows, capped = [], []
     for name in args.models:
@@ -255,14 +284,12 @@ def main() -> None:
         capped.append(under_the_cap(name, case, profile, device, args.cap_at))
         del case, profile
         empty_cache(device)
-    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    command = " ".join([*(["PYTORCH_CUDA_ALLOC_CONF=" + alloc_conf] if alloc_conf else []),
-                        "python3 benchmarks/gpu_predictions.py", *sys.argv[1:]])
+    conf, command = alloc_conf(), command_line("gpu_predictions.py")
     errors = [float(r["err % (alloc)"]) for r in rows]
     header = (
         "# Predictions against the CUDA allocator\n\n"
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; machine: "
-        f"{machine_line()}; allocator config: `{alloc_conf or 'default'}`\n"
+        f"{machine_line()}; allocator config: `{conf or 'default'}`\n"
         f"- command: `{command}` ({time.perf_counter() - start:.0f} s)\n"
         "- loop: bf16 autocast, fused AdamW, output dropped; peak: one optimizer step, "
         "everything included; `alloc`: `torch.cuda.max_memory_allocated`, `reserved`: "
@@ -280,9 +307,8 @@ def main() -> None:
     if args.smoke:
         print(text)
         return
-    slug = torch.cuda.get_device_name().replace("NVIDIA ", "").split()[0].lower()
-    suffix = "-expandable" if "expandable_segments:True" in alloc_conf else ""
-    write_result(args.out or RESULTS / f"gpu_predictions-{slug}{suffix}.md", text)
+    suffix = "-expandable" if "expandable_segments:True" in conf else ""
+    write_result(args.out or RESULTS / f"gpu_predictions-{device_slug()}{suffix}.md", text)
 
 
 _CAP_ORDER = ("model", "cap MiB", "unplanned (predicted) MiB", "unplanned step", "solve",
