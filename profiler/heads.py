@@ -9,19 +9,22 @@ only the code outside the units, so measuring one is two stub steps' worth of th
 outside code (:mod:`.outside_time`, :mod:`.instrument`), never the units.
 
 Which head: with ``head="auto"`` (the default), a head is measured where remat
-recognises one (:func:`remat.execute.head.find_head`) and the loop does not keep the
-model's output (``Loop(keep_output=False)``): a chunked head returns no logits, so a
-loop that reads them cannot use it. ``head="chunked"`` is the user's allowance (the
-loop does not read the logits, whatever it keeps), and an error where no head is
-recognised; ``head="none"`` never measures one.
+recognises one (:func:`remat.execute.head.find_head`), its rewrite passes the check on
+one example (:mod:`.head_check`: same loss and gradients, the loss computed through the
+chunks), and the loop does not keep the model's output (``Loop(keep_output=False)``): a
+loop that keeps it may read the logits after backward, which a chunked head computes
+then, outside the plan. ``head="chunked"`` is the user's allowance (the loop does not
+read the logits, whatever it keeps), and an error where no head is recognised or the
+check fails; ``head="none"`` never measures one. Which variant a plan takes is the
+solver's (exact first: :mod:`remat.solver.heads`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import replace
-from typing import Any
+import logging
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -37,51 +40,97 @@ from remat.execute.head import (
     watching_head_loss,
 )
 from remat.execute.structure import unit_signature
+from remat.measurement.runner import StepRunner
+from remat.measurement.state import ModelState
+from remat.profiler.head_check import check_head_rewrite
 
-__all__ = ["frugal_forwards", "head_profile", "head_to_measure", "may_measure_head"]
+__all__ = ["HeadFinding", "frugal_forwards", "head_profile", "head_to_measure", "may_measure_head",
+           "model_head"]
+
+log = logging.getLogger("remat")
 
 def may_measure_head(setting: str, loop: Loop) -> bool:
-    """Whether ``setting`` lets a head be measured in ``loop`` (see the module docstring);
-    then the profiler's forward passes run it over the most chunks, holding no more than
-    the most frugal plan."""
+    """Whether ``setting`` lets a head be measured in ``loop`` (see the module docstring)."""
     return setting == "chunked" or (setting == "auto" and not loop.keep_output)
 
 
-def head_to_measure(setting: str, loop: Loop, model: nn.Module, batch: Any,
-                    through_head_loss: dict[int, int]) -> HeadSite | None:
-    """The head whose chunked variants to measure under ``setting`` (see the module
-    docstring), or ``None``.
+@dataclass(frozen=True)
+class HeadFinding:
+    """The head to measure (``site``), or why none is (``refusal``; ``None`` where no head
+    was looked for)."""
 
-    Raises:
-        ProfileError: ``head="chunked"`` and no head is recognised (the message says
-            what was looked for and how to name the head).
-    """
-    if not may_measure_head(setting, loop):
-        return None
-    found = find_head(model, batch, through_head_loss)
-    if isinstance(found, HeadSite):
-        return found
+    site: HeadSite | None = None
+    refusal: str | None = None
+
+
+def _checked(setting: str, runner: StepRunner, site: HeadSite,
+             state: ModelState) -> HeadFinding:
+    """``site`` where the rewrite passes :func:`check_head_rewrite`, else why not (an
+    error where the user asked for the chunked head)."""
+    check = check_head_rewrite(runner, site, state)
+    if check.refusal is None:
+        log.info("remat: the head %r chunked gives the same loss and gradients on one example "
+                 "(loss %.6g as written, %.6g chunked; gradients within %.2g)", site.name,
+                 check.loss_as_written, check.loss_rewritten, check.max_grad_difference)
+        return HeadFinding(site)
+    model = type(runner.model).__name__
     if setting == "chunked":
         raise ProfileError(
-            f"head='chunked': remat cannot chunk the head of {type(model).__name__}: {found}. "
-            f"It looks for {LOOKED_FOR}; pass head='none' (or 'auto') to plan without it")
-    return None
+            f"head='chunked': remat does not chunk the head {site.name!r} of {model}: "
+            f"{check.refusal}; pass head='auto' (it then plans the head as written) or 'none'")
+    log.info("remat: the head %r of %s is not chunked: %s", site.name, model, check.refusal)
+    return HeadFinding(None, check.refusal)
+
+
+def model_head(setting: str, loop: Loop, runner: StepRunner, state: ModelState) -> HeadFinding:
+    """A model's own head (a cross entropy on its output head's logits), found and checked
+    before any profiling forward, so those can compute it chunked (:func:`frugal_forwards`);
+    empty where ``setting`` and ``loop`` measure no head or the model has none."""
+    if not may_measure_head(setting, loop):
+        return HeadFinding()
+    found = find_head(runner.model, runner.batch, {})
+    if not isinstance(found, HeadSite):
+        return HeadFinding(None, found)
+    return _checked(setting, runner, found, state)
+
+
+def head_to_measure(setting: str, loop: Loop, runner: StepRunner, state: ModelState,
+                    through_head_loss: dict[int, int], found: HeadFinding) -> HeadFinding:
+    """The head whose chunked variants to measure under ``setting`` (see the module
+    docstring): a head that went through :func:`remat.head_loss` (checked here), else
+    ``found`` (:func:`model_head`).
+
+    Raises:
+        ProfileError: ``head="chunked"`` and no head is recognised, or its rewrite fails
+            the check (the message says what was looked for, or why).
+    """
+    if not may_measure_head(setting, loop):
+        return found
+    own = find_head(runner.model, runner.batch, through_head_loss)
+    if isinstance(own, HeadSite) and own.kind == "head_loss":
+        found = _checked(setting, runner, own, state)
+    if found.site is None and setting == "chunked":
+        raise ProfileError(
+            f"head='chunked': remat cannot chunk the head of {type(runner.model).__name__}: "
+            f"{found.refusal}. It looks for {LOOKED_FOR}; pass head='none' (or 'auto') to plan "
+            "without it")
+    return found
 
 
 @contextlib.contextmanager
 def frugal_forwards(setting: str, loop: Loop, model: nn.Module,
-                    batch: Any) -> Iterator[dict[int, int]]:
+                    found: HeadFinding) -> Iterator[dict[int, int]]:
     """The profiler's forward passes (what modules save, the replays) inside the block:
     where a head may be measured, its loss over the most chunks, so they hold no more
-    than the most frugal plan (the head as it is may not fit the device planned for).
-    Yields the heads that went through :func:`remat.head_loss` (see
-    :func:`remat.execute.head.watching_head_loss`)."""
+    than the most frugal plan (the head as it is may not fit the device planned for):
+    the model's own head where it passed its check (``found``), and any
+    :func:`remat.head_loss` head. Yields the heads that went through
+    :func:`remat.head_loss` (see :func:`remat.execute.head.watching_head_loss`)."""
     frugal = may_measure_head(setting, loop)
     with contextlib.ExitStack() as stack:
         seen = stack.enter_context(watching_head_loss(frugal=frugal))
-        found = find_head(model, batch, {}) if frugal else None
-        if isinstance(found, HeadSite):  # a causal LM, known before any forward
-            stack.enter_context(chunked_head(model, found, most_chunks(found.tokens)))
+        if frugal and found.site is not None:
+            stack.enter_context(chunked_head(model, found.site, most_chunks(found.site.tokens)))
         yield seen
 
 

@@ -66,7 +66,7 @@ from remat.profiler.assemble import Measurements, build_profile, input_shapes, m
 from remat.profiler.capture import ops_between_units, trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
-from remat.profiler.heads import frugal_forwards, head_profile, head_to_measure
+from remat.profiler.heads import frugal_forwards, head_profile, head_to_measure, model_head
 from remat.profiler.outside import TimedRuns, measure_outside
 from remat.profiler.progress import Progress
 from remat.profiler.replay import OptionFigures
@@ -272,7 +272,9 @@ def _profile(
         with training_session(model, optimizer) as state:
             runner = StepRunner(model, sample_batch, settings.loss_fn, optimizer, loop,
                                 device.type)
-            with frugal_forwards(settings.head, loop, model, sample_batch) as through_head_loss:
+            with _out_of_memory_is_named("the check of the chunked head on one example"):
+                found = model_head(settings.head, loop, runner, state)
+            with frugal_forwards(settings.head, loop, model, found) as through_head_loss:
                 with _out_of_memory_is_named("the forward pass that records what modules save"):
                     bar.step("units")
                     record = record_saves(model, lambda: runner.forward(autocast_cache=False))
@@ -303,7 +305,8 @@ def _profile(
             ordered = [(name, trace.calls[name].module) for name in trace.order]
             trained = {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
                        if name in measurer.trained}
-            site = head_to_measure(settings.head, loop, model, sample_batch, through_head_loss)
+            found = head_to_measure(settings.head, loop, runner, state, through_head_loss, found)
+            site = found.site
             fixed = fixed_bytes(model, optimizer) + batch_bytes(sample_batch, device)
             with _out_of_memory_is_named("the code outside the units"):
                 bar.step("outside steps")
@@ -344,6 +347,8 @@ def _profile(
               "pool_twins": settings.pool_twins, "profile_s": round(seconds, 3)},
     )
     result = _with_coverage(result, choice, measurer.figures, opts)
+    if found.refusal is not None:  # why the head is not chunked, for the estimate and plans
+        result = replace(result, meta={**result.meta, "head_not_chunked": found.refusal})
     if site is not None:
         variants = {run.chunks: build_profile(
             replace(measured, base=run.step, outside=run.times, grads=run.grads,

@@ -196,12 +196,16 @@ def solve(
             is refused (:mod:`remat.ambient`).
         head: the output head and its loss computed over chunks of the tokens, so the
             whole logits never exist, is a decision the solver makes where the budget
-            needs it (:mod:`remat.execute.head`): ``"auto"`` (default) offers it where
-            remat recognises the head (a Hugging Face causal LM trained on ``labels``,
-            or a model calling :func:`remat.head_loss`) and the loop drops the output
-            (``Loop(keep_output=False)``), since a chunked head returns no logits;
-            ``"chunked"`` offers it whatever the loop keeps (the loop does not read
-            the logits; an error where no head is recognised); ``"none"`` never.
+            needs it (:mod:`remat.execute.head`). It changes how the loss is summed (not
+            bitwise), so it is offered only where remat found a head whose rewrite gives
+            the same loss and gradients on one example of the batch, and a plan takes it
+            only where the budget needs it. ``"auto"`` (default): offered where the loop
+            drops the output (``Loop(keep_output=False)``: a kept output's logits would be
+            computed when read), taken only below the smallest peak of the head as
+            written; ``"chunked"``: offered whatever the loop keeps and taken wherever
+            faster (an error where no head is recognised or its check fails); ``"none"``:
+            never. On a saved profile, ``"none"`` and ``"chunked"`` decide how its
+            measured head is used.
         verify: with a model and a budget, apply the plan, measure one real step of
             the loop (the higher of the dispatch-level meter and the allocator's
             view), and when it is over the budget solve again for a budget lowered by
@@ -256,7 +260,7 @@ def solve(
         )
     if isinstance(model_or_profile, Profile):
         plan = _solve(model_or_profile, sample_batch, _within_device(model_or_profile, budget),
-                      method=method, verify=False, solver_params=solver_params)
+                      method=method, verify=False, solver_params=solver_params, head=head)
     else:
         from remat.ambient import planning
 
@@ -275,7 +279,7 @@ def solve(
             plan = _solve(prof, sample_batch, budget, method=method, verify=verify,
                           solver_params=solver_params, model=model_or_profile,
                           loss_fn=loss_fn, optimizer=optimizer, rounds=verify_rounds,
-                          steps=verify_steps)
+                          steps=verify_steps, head=head)
     log.info(
         "remat: %s plan (%s), predicted peak %d B, step %.1f ms",
         plan.record.algorithm,
@@ -309,18 +313,18 @@ def _within_device(profile: Profile, budget: Any) -> Any:
 def _solve(prof: Profile, sample_batch: Any, budget: Any, *, method: str, verify: bool,
            solver_params: Mapping[str, Any], model: nn.Module | None = None,
            loss_fn: Callable[[Any, Any], Any] | None = None, optimizer: Any = None,
-           rounds: int = 3, steps: int = 1) -> Plan:
+           rounds: int = 3, steps: int = 1, head: str = "auto") -> Plan:
     """:func:`solve`'s plan for ``prof``, verified on ``model`` when there is one and a budget."""
     from remat.solver.solve import solve_profile
 
-    plan = solve_profile(prof, budget, method=method, **solver_params)
+    plan = solve_profile(prof, budget, method=method, head=head, **solver_params)
     if not verify or plan.budget_bytes is None or model is None:
         return plan
     from remat.verify import measure_plan, verified
 
     return verified(
         plan, plan.budget_bytes,
-        lambda target: solve_profile(prof, target, method=method, **solver_params)
+        lambda target: solve_profile(prof, target, method=method, head=head, **solver_params)
         .with_(budget_bytes=plan.budget_bytes),
         lambda candidate: measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
                                        optimizer=optimizer, loop=prof.loop, steps=steps),
@@ -369,7 +373,7 @@ def pareto(
                                granularity=granularity, head=head)
     from remat.solver.pareto import pareto_frontier
 
-    return pareto_frontier(prof, points=points, method=method, baselines=baselines)
+    return pareto_frontier(prof, points=points, method=method, baselines=baselines, head=head)
 
 
 def activation_budget(profile: Profile, fraction: float) -> int:

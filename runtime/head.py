@@ -14,7 +14,7 @@ from torch import nn
 
 from remat.core.errors import PlanMismatchError
 from remat.core.plan import Plan
-from remat.execute.head import HeadSite, causal_lm_refusal, install_head, remove_head
+from remat.execute.head import HeadSite, head_refusal, install_head, remove_head
 from remat.execute.structure import describe_mismatch, unit_signature
 
 __all__ = ["check_head", "install_plan_head", "remove_plan_head"]
@@ -42,12 +42,12 @@ def check_head(model: nn.Module, plan: Plan) -> None:
             f"the plan was made for another head: {chosen.name!r} ({type(head).__name__}) "
             f"{describe_mismatch(head, chosen.signature)}{redo}")
     if chosen.kind == "causal-lm":
-        refusal = causal_lm_refusal(model)
+        refusal = head_refusal(head)
         if refusal is not None:
             raise PlanMismatchError(
-                f"the plan computes the loss of a Hugging Face causal LM over {chosen.chunks} "
-                f"chunks, and {type(model).__name__} is not one remat can chunk: {refusal}"
-                f"{redo}")
+                f"the plan computes the head {chosen.name!r} and its loss over {chosen.chunks} "
+                f"chunks, and remat cannot defer that head's logits on {type(model).__name__}: "
+                f"{refusal}{redo}")
     elif chosen.kind != "head_loss":
         raise PlanMismatchError(
             f"the plan's head kind {chosen.kind!r} is not one this remat knows ('causal-lm', "
@@ -59,7 +59,7 @@ def install_plan_head(model: nn.Module, plan: Plan) -> HeadSite | None:
     if plan.head is None:
         return None
     site = HeadSite(plan.head.name, plan.head.kind)
-    install_head(model, site, plan.head.chunks)
+    install_head(model, site, plan.head.chunks, planned=True)
     return site
 
 

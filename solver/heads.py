@@ -1,13 +1,16 @@
-"""The output head as a plan decision: the fastest plan over the head's measured variants.
+"""The output head as a plan decision: exact first, a chunked head where the budget needs it.
 
 A profile that measured a chunked head (:attr:`Profile.head`) offers one more decision
 per plan: the head as the model computes it, or over one of the chunk counts measured.
-Each variant is a profile of its own (:meth:`Profile.with_head`); the algorithm solves
-each, and the fastest plan that fits wins, the head as it is on a tie. A variant's step
-is never faster than the head as it is (:class:`~remat.core.profile.HeadVariant`), so a
-chunk count is chosen only where the budget needs it: where the head as it is has no
-plan that fits, or only slower ones (more recomputation in the blocks than the head's
-own costs).
+Each variant is a profile of its own (:meth:`Profile.with_head`). The chunked loss is
+not bitwise the one as written (it sums in another order), so by default
+(``head="auto"``) the head as written is kept wherever a plan with it fits, however much
+faster a chunked one would be; a chunk count is chosen only below the smallest peak the
+head as written reaches (then the fastest fitting count), or where the head as written
+did not fit the device while profiling. ``head="chunked"`` lets speed decide: the
+fastest plan over every choice, the head as written on a tie. ``head="none"`` keeps the
+head as written (an error where it was not measured). The plan's head decision says why
+it was taken (:attr:`ChunkedHead.why`).
 
 Users: :func:`remat.solver.solve.solve_profile` and the frontier
 (:mod:`remat.solver.pareto`) solve through :func:`solve_over_heads`; the estimate and
@@ -18,15 +21,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from remat.core.errors import InfeasibleBudgetError
+from remat.core.bytesize import format_bytes
+from remat.core.errors import ArgumentError, InfeasibleBudgetError, ProfileError
 from remat.core.plan import ChunkedHead, Plan
 from remat.core.profile import Profile
 from remat.solver.min_peak import min_peak_bytes
 from remat.solver.stamp import stamp_plan
 
-__all__ = ["chunked_head", "head_choices", "lowest_floor", "solve_over_heads"]
+__all__ = ["HEAD_SETTINGS", "chunked_head", "head_choices", "lowest_floor", "solve_over_heads"]
+
+# How a plan may decide the head (see the module docstring).
+HEAD_SETTINGS = ("auto", "chunked", "none")
 
 Algorithm = Callable[..., Plan]
 
@@ -43,14 +51,14 @@ def head_choices(profile: Profile) -> tuple[int | None, ...]:
     return (*((None,) if head.as_is else ()), *head.chunk_counts)
 
 
-def chunked_head(profile: Profile, chunks: int | None) -> ChunkedHead | None:
+def chunked_head(profile: Profile, chunks: int | None, why: str = "") -> ChunkedHead | None:
     """The plan decision for the head of ``profile`` over ``chunks`` chunks."""
     if chunks is None:
         return None
     head = profile.head
     assert head is not None, "no chunked head was measured"
     head.variant(chunks)  # measured, or a ProfileError naming the counts that were
-    return ChunkedHead(head.name, head.kind, head.signature, chunks)
+    return ChunkedHead(head.name, head.kind, head.signature, chunks, why)
 
 
 def lowest_floor(profile: Profile) -> tuple[int | None, int]:
@@ -62,20 +70,42 @@ def lowest_floor(profile: Profile) -> tuple[int | None, int]:
     return chunks, nbytes
 
 
-def solve_over_heads(fn: Algorithm, profile: Profile, budget: int | None,
-                     **params: Any) -> Plan:
-    """The fastest of ``fn``'s plans for ``budget`` over the head's choices.
+def solve_over_heads(fn: Algorithm, profile: Profile, budget: int | None, *,
+                     head: str = "auto", **params: Any) -> Plan:
+    """``fn``'s plan for ``budget`` over the head's choices, as ``head`` says (see the
+    module docstring).
 
     Raises:
         InfeasibleBudgetError: no choice has a plan that fits; the error quotes the
             choice with the smallest peak (and says when that is a chunked head).
+        ArgumentError: ``head`` is not one of :data:`HEAD_SETTINGS`.
+        ProfileError: ``head="none"`` on a profile whose head as written was not measured.
     """
+    if head not in HEAD_SETTINGS:
+        raise ArgumentError(f"head={head!r}: valid values are {list(HEAD_SETTINGS)}")
+    if profile.head is not None and head == "none":
+        if not profile.head.as_is:
+            raise ProfileError(
+                f"head='none': the head {profile.head.name!r} as written was not measured (it "
+                "did not fit the device while profiling), so every plan of this profile "
+                "computes it over chunks; profile on a device it fits, or leave head='auto'")
+        profile = replace(profile, head=None)
     if profile.head is None or budget is None:
         return fn(profile, budget, **params)  # stamp_plan adds a head every plan needs
     start = time.perf_counter()
-    best: Plan | None = None
+    choices = head_choices(profile)
     failures: list[tuple[int | None, InfeasibleBudgetError]] = []
-    for chunks in head_choices(profile):
+    why = "head='chunked': the fastest plan"
+    if head == "auto" and choices[0] is None:  # exact first
+        try:
+            return fn(profile.with_head(None), budget, **params)
+        except InfeasibleBudgetError as err:
+            failures.append((None, err))
+            choices = choices[1:]
+            why = (f"the budget is below {format_bytes(err.min_feasible_bytes)}, the smallest "
+                   "peak with the head as written")
+    best: Plan | None = None
+    for chunks in choices:
         variant = profile.with_head(chunks)
         if best is not None and best.record.predicted_time_ms <= variant.step_ms:
             continue  # nothing on this variant is faster than a plan already found
@@ -85,7 +115,7 @@ def solve_over_heads(fn: Algorithm, profile: Profile, budget: int | None,
             failures.append((chunks, err))
             continue
         if chunks is not None:
-            plan = stamp_plan(profile, plan.with_(head=chunked_head(profile, chunks)),
+            plan = stamp_plan(profile, plan.with_(head=chunked_head(profile, chunks, why)),
                               algorithm=plan.record.algorithm, status=plan.record.status,
                               budget=budget, start=start)
         if best is None or (plan.record.predicted_time_ms

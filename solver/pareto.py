@@ -60,14 +60,15 @@ def _check_points(points: object) -> int:
                        owner="the frontier")
 
 
-def _solved(profile: Profile, points: int, method: str) -> list[tuple[int, Plan]]:
+def _solved(profile: Profile, points: int, method: str,
+            head: str = "auto") -> list[tuple[int, Plan]]:
     """(budget, plan) at ``points`` budgets from the smallest feasible peak to the
     no-checkpoint peak, ascending; budgets ``method`` cannot meet give none."""
     solve = algorithm(method)
     found = []
     for budget in _budgets(min_feasible_peak(profile), no_checkpoint_peak_bytes(profile), points):
         try:
-            found.append((budget, solve_over_heads(solve, profile, budget)))
+            found.append((budget, solve_over_heads(solve, profile, budget, head=head)))
         except InfeasibleBudgetError as err:
             log.info("pareto: %s cannot meet %d B: %s", method, budget, err)
     return found
@@ -103,15 +104,17 @@ def _frontier(solved: Sequence[tuple[int, Plan]]) -> list[tuple[int, Plan]]:
     return kept
 
 
-def frontier_plans(profile: Profile, *, points: int = 20, method: str = "dp") -> list[Plan]:
+def frontier_plans(profile: Profile, *, points: int = 20, method: str = "dp",
+                   head: str = "auto") -> list[Plan]:
     """The distinct non-dominated best plans at ``points`` budgets from the smallest
     feasible peak to the no-checkpoint peak, fastest first (ties: smaller peak first).
 
     Budgets ``method`` cannot meet give no plan. Each plan's ``budget_bytes`` is the
-    smallest of those budgets at which it was found.
+    smallest of those budgets at which it was found. ``head``: as for
+    :func:`~remat.solver.heads.solve_over_heads` (exact first by default).
     """
     points = _check_points(points)
-    kept = _frontier(_solved(profile, points, method))
+    kept = _frontier(_solved(profile, points, method, head))
     return sorted((plan for _, plan in kept),
                   key=lambda p: (p.record.predicted_time_ms, p.record.predicted_peak_bytes))
 
@@ -155,7 +158,8 @@ def _baseline_rows(profile: Profile, base_ms: float) -> list[dict]:
 
 
 def pareto_frontier(
-    profile: Profile, *, points: int = 20, method: str = "dp", baselines: bool = True
+    profile: Profile, *, points: int = 20, method: str = "dp", baselines: bool = True,
+    head: str = "auto",
 ) -> pd.DataFrame:
     """The best plans at ``points`` budgets from the smallest feasible peak to the
     no-checkpoint peak, plus the baselines' plans without a budget.
@@ -174,7 +178,8 @@ def pareto_frontier(
     whose ``peak_bytes`` fits that budget is as fast as its plan. A budget the
     method cannot meet (a heuristic's) gives no row. Baseline rows (``budget_bytes`` is
     ``<NA>``) are reference points and are never dropped, but baselines that make
-    the same plan share a row (``algorithm`` ``"all = chen"``).
+    the same plan share a row (``algorithm`` ``"all = chen"``). ``head``: how a measured
+    chunked head may be chosen (:func:`~remat.solver.heads.solve_over_heads`).
 
     Raises:
         ParameterError: ``points`` is not an int >= 1.
@@ -186,7 +191,7 @@ def pareto_frontier(
     keep = keep_all_plan(profile)
     base_ms = keep.record.predicted_time_ms or 0.0
     rows = []
-    for budget, plan in _frontier(_solved(profile, points, method)):
+    for budget, plan in _frontier(_solved(profile, points, method, head)):
         kind = "optimal" if plan.record.status == Status.OPTIMAL else "feasible"
         rows.append(_row(plan, base_ms, kind, plan.record.algorithm, budget))
     if baselines:

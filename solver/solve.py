@@ -113,6 +113,7 @@ def solve_profile(
     memory_budget: int | str | None = None,
     *,
     method: str = "optimal",
+    head: str = "auto",
     **params: Any,
 ) -> Plan:
     """Plan checkpointing for ``profile`` under ``memory_budget`` with ``method``.
@@ -122,6 +123,9 @@ def solve_profile(
         memory_budget: bytes, ``"8GB"``/``"7.5GiB"``, ``"60%"`` of the activation memory
             (``"60% of peak"``: of the no-checkpoint peak), or ``None`` for no budget.
         method: one of :data:`ALGORITHMS`.
+        head: how a measured chunked head may be chosen (:mod:`remat.solver.heads`):
+            ``"auto"`` only below the head as written's smallest peak (exact first),
+            ``"chunked"`` wherever faster, ``"none"`` never.
         params: the algorithm's own parameters (``k=`` for uniform,
             ``time_limit_s=`` for ilp, ...: :func:`algorithm_parameters`).
 
@@ -137,8 +141,8 @@ def solve_profile(
     budget = None
     if memory_budget is not None:
         budget = resolve_budget(memory_budget, profile)
-    # With a chunked head measured, the head is a decision too: the fastest choice wins.
-    plan = solve_over_heads(fn, profile, budget, **params)
+    # With a chunked head measured, the head is a decision too (exact first by default).
+    plan = solve_over_heads(fn, profile, budget, head=head, **params)
     log.info(
         "remat: %s plan for %d units, budget %s B: peak %s B, %.3f ms (%s, %.1f ms to solve)",
         method, profile.n, budget, plan.record.predicted_peak_bytes,

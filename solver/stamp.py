@@ -69,7 +69,8 @@ def _with_required_head(profile: Profile, plan: Plan) -> Plan:
     if plan.head is not None or head is None or head.required_chunks is None:
         return plan
     return plan.with_(head=ChunkedHead(head.name, head.kind, head.signature,
-                                       head.required_chunks))
+                                       head.required_chunks,
+                                       "the head as written did not fit the device"))
 
 
 def activations_only(profile: Profile) -> Profile:

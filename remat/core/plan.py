@@ -272,15 +272,18 @@ class ChunkedHead:
         signature: the head's parameter signature; the runtime refuses the plan on a
             model whose head has other parameters.
         chunks: how many chunks of the tokens the head and the loss run over.
+        why: why the plan chunks the head (the chunked loss is not bitwise the one as
+            written: it sums in another order), for the plan's summary.
     """
 
     name: str
     kind: str
     signature: str
     chunks: int
+    why: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("name", "kind", "signature"):
+        for name in ("name", "kind", "signature", "why"):
             checked_str(getattr(self, name), f"Plan.head.{name}", PlanError)
         _set(self, "chunks", checked_bytes(self.chunks, "Plan.head.chunks", PlanError,
                                            hi=None, unit="chunks"))
@@ -397,6 +400,8 @@ class Plan:
             text += ", segments " + " ".join(f"[{a}-{b}]" for a, b in self.segments)
         if self.head is not None:
             text += f", head {self.head.name} over {self.head.chunks} chunks"
+            if self.head.why:
+                text += f" ({self.head.why})"
         return text
 
     # -- building one ---------------------------------------------------------------

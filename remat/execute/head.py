@@ -11,11 +11,13 @@ Two ways in, one computation (:func:`chunked_cross_entropy`):
 * :func:`head_loss`, for a model of one's own: ``loss = remat.head_loss(self.head, hidden,
   target)`` in its forward, the plain ``cross_entropy(head(hidden).float(), target)``
   unless a plan chose a chunked head for ``self.head`` (:func:`chunked_head`);
-* Hugging Face causal language models (:func:`causal_lm_refusal`): an ``lm_head`` and the
-  model's own shifted cross entropy (``ForCausalLMLoss``: ignore index -100, the mean
-  over the tokens that count, or the sum over ``num_items_in_batch``), recognised without
-  help; under a chunked head the model's forward runs its base model and this loss,
-  and returns the loss with **no logits** (``logits=None``).
+* a model that computes its own cross entropy on its head's logits (Hugging Face causal
+  LMs, T5, under peft or accelerate too; :func:`find_head`): under a chunked head the
+  head returns lazy logits (:mod:`remat.execute.lazy_logits`) and the model's forward,
+  run as written, computes its cross entropy on them over chunks; anything else it or
+  the caller does with them computes the real logits. Whether the loss really went
+  through the chunks, with the same loss and gradients, is checked on the user's model
+  before the option is offered (:mod:`remat.profiler.head_check`).
 
 The profiler measures each chunk count as a variant of the code outside the units, the
 solver chooses one only when the budget needs it, and the runtime installs it; the
@@ -25,9 +27,6 @@ profiler and the runtime both use what is here.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from remat.execute.lazy_logits import deferred_head, remove_deferred_head
 from remat.execute.linear_cross_entropy import linear_cross_entropy
 from remat.execute.tied_embedding import claim, tie, untie
 
@@ -44,9 +44,9 @@ __all__ = [
     "HeadSite",
     "LOOKED_FOR",
     "CHUNK_COUNTS",
-    "causal_lm_refusal",
     "chunk_counts",
     "find_head",
+    "head_refusal",
     "chunked_cross_entropy",
     "chunked_head",
     "head_loss",
@@ -68,6 +68,7 @@ def chunked_cross_entropy(
     chunks: int,
     ignore_index: int = IGNORE_INDEX,
     divide_by: torch.Tensor | float | None = None,
+    bias_add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(head(hidden).float(), target)`` over ``chunks`` slices of the tokens.
 
@@ -75,12 +76,16 @@ def chunked_cross_entropy(
     sum over the tokens that count is divided by ``divide_by`` (default: their number, the
     mean ``cross_entropy`` takes). The slices' gradients are computed with their logits
     (:mod:`remat.execute.linear_cross_entropy`); the values are the plain computation's
-    up to the order of a float32 sum.
+    up to the order of a float32 sum. ``bias_add``: one score per class added to the
+    head's output before the loss (the model adds it after the head).
     """
+    bias = head.bias
+    if bias_add is not None:
+        bias = bias_add if bias is None else bias + bias_add
     tied_to = None
     if torch.is_grad_enabled() and head.weight.requires_grad:
         tied_to = claim(head, hidden)
-    return linear_cross_entropy(hidden, head.weight, head.bias, target, chunks=chunks,
+    return linear_cross_entropy(hidden, head.weight, bias, target, chunks=chunks,
                                 ignore_index=ignore_index, divide_by=divide_by,
                                 tied_to=tied_to)
 
@@ -153,19 +158,19 @@ def most_chunks(tokens: int) -> int | None:
 
 
 # ---------------------------------------------------------------------------------
-# Hugging Face causal language models
+# A model's own cross entropy on its head's logits (Hugging Face models)
 # ---------------------------------------------------------------------------------
-_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
 @dataclass(frozen=True)
 class HeadSite:
     """Where a model's head is and how its loss is computed.
 
     Attributes:
-        name: the head module's qualified name (``"lm_head"``).
-        kind: ``"causal-lm"`` (a Hugging Face causal LM; the model's forward is replaced
-            under a chunked head) or ``"head_loss"`` (a model that calls :func:`head_loss`).
+        name: the head module's qualified name (``"lm_head"``, ``"base_model.model.lm_head"``
+            under peft).
+        kind: ``"causal-lm"`` (the model computes a cross entropy on the head's logits
+            itself: :mod:`remat.execute.lazy_logits` defers them; the name is kept from
+            when only causal LMs were recognised) or ``"head_loss"`` (a model that calls
+            :func:`head_loss`).
         tokens: how many tokens the loss is over in the batch it was found on.
     """
 
@@ -176,94 +181,65 @@ class HeadSite:
 
 # What find_head() looks for, for the error when it finds nothing.
 LOOKED_FOR = (
-    "a Hugging Face causal LM (an nn.Linear `lm_head` after its `base_model`, `labels` in the "
-    "batch, the model's own ForCausalLMLoss, no logit soft-capping or scaling), or a model "
-    "whose forward computes its loss as `remat.head_loss(self.<head>, hidden, target)`"
+    "a plain nn.Linear output head (`lm_head`, or the model's get_output_embeddings()) of a "
+    "model that computes its own cross entropy on the head's logits, with `labels` in the "
+    "batch (Hugging Face causal LMs, T5; under peft too), or a model whose forward computes "
+    "its loss as `remat.head_loss(self.<head>, hidden, target)`"
 )
 
 
-def _for_causal_lm_loss() -> Any:
-    utils = sys.modules.get("transformers.loss.loss_utils")
-    return getattr(utils, "ForCausalLMLoss", None)
+def _output_head(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The qualified name and module of ``model``'s output head: a module named ``lm_head``
+    (at any depth: peft wraps the model), else what ``get_output_embeddings()`` gives."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "lm_head":
+            return name, module
+    get = getattr(model, "get_output_embeddings", None)
+    found = get() if callable(get) else None
+    if isinstance(found, nn.Module):
+        for name, module in model.named_modules():
+            if module is found:
+                return name, module
+    return None
 
 
-def causal_lm_refusal(model: nn.Module) -> str | None:
-    """Why ``model`` is not a Hugging Face causal LM whose head remat can chunk, or
-    ``None`` when it is: an ``nn.Linear`` ``lm_head``, a ``base_model``, the model's own
-    ``ForCausalLMLoss``, and no change to the logits before the loss (soft-capping, a
-    scale)."""
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Linear):
-        return "it has no nn.Linear `lm_head`"
-    base = getattr(model, "base_model", None)
-    if not isinstance(base, nn.Module) or base is model:
-        return "it has no `base_model` to run before its `lm_head`"
-    loss = _for_causal_lm_loss()
-    if loss is None or getattr(model, "loss_function", None) is not loss:
-        return "its loss_function is not transformers' ForCausalLMLoss"
-    config = getattr(model, "config", None)
-    for name in _LOGIT_CHANGES:
-        value = getattr(config, name, None)
-        if value not in (None, 1, 1.0):
-            return f"its config's {name}={value!r} changes the logits before the loss"
+def head_refusal(head: nn.Module) -> str | None:
+    """Why remat cannot defer the logits of ``head``, or ``None``: it must be a plain
+    ``nn.Linear`` whose forward nobody replaced or hooked (accelerate's device hooks, a
+    LoRA adapter on the head compute something else)."""
+    if type(head) is not nn.Linear:
+        return f"its output head is a {type(head).__name__}, not a plain nn.Linear"
+    if "forward" in head.__dict__:
+        return "its output head's forward was replaced (a wrapper or hook of someone else's)"
+    if head._forward_hooks or head._forward_pre_hooks:
+        return "its output head has forward hooks, which would see no logits"
     return None
 
 
 def find_head(model: nn.Module, batch: Any, through_head_loss: dict[int, int]) -> HeadSite | str:
-    """The head of ``model`` trained on ``batch`` that remat can chunk, or why there is none.
+    """The head of ``model`` trained on ``batch`` that remat may chunk, or why there is none.
 
     ``through_head_loss``: the heads that went through :func:`head_loss` in a forward on
-    ``batch`` (:func:`watching_head_loss`); one of them is the head, else a Hugging Face
-    causal LM's ``lm_head`` with ``labels`` in the batch.
+    ``batch`` (:func:`watching_head_loss`); one of them is the head. Else the model's
+    output head (an ``lm_head``, or its output embeddings) with ``labels`` in the batch: a
+    candidate only; whether its loss really is a cross entropy on its logits, and the
+    rewrite keeps loss and gradients, is checked by running both
+    (:mod:`remat.profiler.head_check`).
     """
     for name, module in model.named_modules():
         if id(module) in through_head_loss and isinstance(module, nn.Linear):
             return HeadSite(name, "head_loss", through_head_loss[id(module)])
-    refusal = causal_lm_refusal(model)
+    found = _output_head(model)
+    if found is None:
+        return "it has no output head (`lm_head`, or get_output_embeddings())"
+    name, head = found
+    refusal = head_refusal(head)
     if refusal is not None:
         return refusal
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if not isinstance(labels, torch.Tensor):
         return "the batch has no `labels` tensor (the model computes no loss of its own)"
-    return HeadSite("lm_head", "causal-lm", labels.numel())
-
-
-class _ChunkedCausalLMForward:
-    """A causal LM's ``forward`` under a chunked head: its base model, then the model's
-    own loss over chunks; no logits. A plain class, so planned models pickle."""
-
-    def __init__(self, model: nn.Module, chunks: int) -> None:
-        self.model = model
-        self.chunks = chunks
-
-    def __call__(self, input_ids: Any = None, labels: Any = None, *args: Any,
-                 **kwargs: Any) -> Any:
-        model = self.model
-        if labels is None or not torch.is_grad_enabled() or args:
-            return type(model).forward(model, input_ids, *args, labels=labels, **kwargs)
-        num_items = kwargs.pop("num_items_in_batch", None)
-        kwargs.pop("logits_to_keep", None)
-        shift = kwargs.pop("shift_labels", None)
-        outputs = model.base_model(input_ids=input_ids, **kwargs)
-        hidden = outputs[0]
-        if shift is None:
-            shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        loss = chunked_cross_entropy(hidden, model.lm_head, shift, chunks=self.chunks,
-                                     divide_by=num_items)
-        return _causal_lm_output(loss, outputs)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        # Hugging Face's Trainer reads the forward's signature to pick the batch's columns.
-        return inspect.signature(type(self.model).forward.__get__(self.model))
-
-
-def _causal_lm_output(loss: torch.Tensor, outputs: Any) -> Any:
-    module = sys.modules.get("transformers.modeling_outputs")
-    output = module.CausalLMOutputWithPast  # type: ignore[union-attr]
-    get = functools.partial(getattr, outputs)
-    return output(loss=loss, logits=None, past_key_values=get("past_key_values", None),
-                  hidden_states=get("hidden_states", None), attentions=get("attentions", None))
+    return HeadSite(name, "causal-lm", labels.numel())
 
 
 @contextlib.contextmanager
@@ -281,13 +257,17 @@ def chunked_head(model: nn.Module, site: HeadSite | None, chunks: int | None) ->
         remove_head(model, site)
 
 
-def install_head(model: nn.Module, site: HeadSite, chunks: int | None) -> None:
-    """The head of ``model`` at ``site`` runs over ``chunks`` chunks from now on."""
+def install_head(model: nn.Module, site: HeadSite, chunks: int | None, *,
+                 planned: bool = False) -> None:
+    """The head of ``model`` at ``site`` runs over ``chunks`` chunks from now on: the
+    logits deferred (:mod:`remat.execute.lazy_logits`) or, for :func:`head_loss`, its
+    chunk count set; the model's forward is not touched. ``planned``: for as long as a
+    plan is on (a step that computes the whole logits after all is then warned of)."""
     if chunks is None:
         return
     head = model.get_submodule(site.name)
     if site.kind == "causal-lm":
-        model.forward = _ChunkedCausalLMForward(model, chunks)
+        deferred_head(head, chunks, planned=planned)
     else:
         setattr(head, _CHUNKS_ATTR, chunks)
     tie(model, head)
@@ -296,9 +276,6 @@ def install_head(model: nn.Module, site: HeadSite, chunks: int | None) -> None:
 def remove_head(model: nn.Module, site: HeadSite) -> None:
     """Undo :func:`install_head` (a no-op where nothing was installed)."""
     head = model.get_submodule(site.name)
-    if site.kind == "causal-lm":
-        if isinstance(model.__dict__.get("forward"), _ChunkedCausalLMForward):
-            del model.__dict__["forward"]
-    else:
-        head.__dict__.pop(_CHUNKS_ATTR, None)
+    remove_deferred_head(head)
+    head.__dict__.pop(_CHUNKS_ATTR, None)
     untie(model, head)
