@@ -52,14 +52,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.core.checks import check_head_setting, check_profile_args
+from remat.core.checks import check_head_setting, check_profile_args, check_timing
 from remat.core.errors import DeviceMemoryError, ProfileError
 from remat.core.loop import Loop, loop_or_default
 from remat.core.option import Option
 from remat.core.profile import Profile
 from remat.execute.planned import has_plan
 from remat.measurement.runner import LossFn, StepRunner, model_device
-from remat.measurement.state import clear_grads, training_session
+from remat.measurement.state import ModelState, clear_grads, training_session
 from remat.measurement.storage import batch_bytes, fixed_bytes, storage_bytes
 from remat.measurement.timing import Stopwatch
 from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
@@ -210,11 +210,7 @@ def profile_levels(
     (``None`` otherwise): :func:`profile`'s arguments, for the caller to compare
     (:mod:`remat.granularity` does, with the solver)."""
     check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop)
-    if repeats < 1 or warmup < 0 or not 0 <= tolerance < 1:
-        raise ProfileError(
-            f"need repeats >= 1, warmup >= 0 and 0 <= tolerance < 1, got {repeats=} {warmup=} "
-            f"{tolerance=}"
-        )
+    check_timing(warmup, repeats, tolerance)
     if has_plan(model):
         raise ProfileError(
             "the model has a plan applied: profile the model without it (a plan changes what "
@@ -269,7 +265,7 @@ def _profile(
     started = time.perf_counter()
     more_warmup = max(settings.warmup - 1, 0)  # a metered run is the first warm-up run
     try:
-        with training_session(model, optimizer) as state:
+        with _session(model, optimizer) as state:
             runner = StepRunner(model, sample_batch, settings.loss_fn, optimizer, loop,
                                 device.type)
             with _out_of_memory_is_named("the check of the chunked head on one example"):
@@ -369,19 +365,40 @@ def _profile(
     return result, choice
 
 
+# Why a pass that ran out of memory means no plan fits, and what to do instead.
+_NO_PLAN_FITS = ("profiling holds there no more than the most frugal plan's step would, so "
+                 "no plan fits this device: use a smaller batch or a device with more memory")
+
+
 @contextlib.contextmanager
-def _out_of_memory_is_named(what: str) -> Iterator[None]:
-    """A device running out of memory in ``what`` is a :class:`DeviceMemoryError` saying so:
-    the pass already holds no more than the most frugal plan would, so it cannot be
-    made to fit by profiling differently."""
+def _out_of_memory_is_named(what: str, why: str = _NO_PLAN_FITS) -> Iterator[None]:
+    """A device running out of memory in ``what`` is a :class:`DeviceMemoryError` saying so
+    and ``why`` (by default: the pass already holds no more than the most frugal plan
+    would, so it cannot be made to fit by profiling differently)."""
     try:
         yield
     except torch.OutOfMemoryError as err:
         raise DeviceMemoryError(
             f"the device ran out of memory in {what} ({' '.join(str(err).split())[:300]}); "
-            "profiling holds there no more than the most frugal plan's step would, so no "
-            "plan fits this device: use a smaller batch or a device with more memory"
+            f"{why}"
         ) from None
+
+
+@contextlib.contextmanager
+def _session(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[ModelState]:
+    """:func:`training_session`, its snapshot taken before any pass: running out of memory
+    there is named too (the snapshot's few bytes, its RNG state and a copy of the buffers,
+    are the first the device is asked for, so a device the model and batch already fill
+    fails here)."""
+    with contextlib.ExitStack() as stack:
+        with _out_of_memory_is_named(
+                "the snapshot that puts the model back after profiling (the RNG state and a "
+                "copy of the buffers), before any pass ran",
+                "the model, its batch and what the device already holds leave no room for a "
+                "training step of any plan: use a smaller batch or model, or a device with "
+                "more memory"):
+            state = stack.enter_context(training_session(model, optimizer))
+        yield state
 
 
 def _with_coverage(

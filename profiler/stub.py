@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from remat.execute.options import autocast_without_cache
 
@@ -78,6 +80,34 @@ class _Run:
         self.rebuild: Rebuild | None = None
 
 
+_register_hook = torch.Tensor.register_hook
+
+
+def _register_hook_where_tracked(self: torch.Tensor, hook: Callable[..., Any]) -> Any:
+    """``Tensor.register_hook`` inside a stub: on a tensor that requires grad as it is; on
+    one the stub's ``no_grad`` left without grad (which would refuse it), a no-op that
+    returns a handle, as it would be had the unit run with grad (the hook would then run
+    in the unit's backward, which the stub does not run: the replays measure it)."""
+    if self.requires_grad:
+        return _register_hook(self, hook)
+    return RemovableHandle(OrderedDict())
+
+
+@contextlib.contextmanager
+def _hooks_on_untracked_tensors_ignored() -> Iterator[None]:
+    """Inside the block, ``register_hook`` on a tensor without grad is a no-op: a unit's
+    forward may hook what it computes (``y.register_hook(...)``), valid with grad on, and
+    its stub runs it under ``no_grad``. Patched on the class for the block's length only
+    (a stub's forward), since the unit's code calls the method, not a function remat
+    could hand it."""
+    before = torch.Tensor.register_hook
+    torch.Tensor.register_hook = _register_hook_where_tracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = before  # type: ignore[method-assign]
+
+
 class _Stub(torch.autograd.Function):
     """Runs the unit without saving anything; its backward hands out gradients of ones."""
 
@@ -89,7 +119,7 @@ class _Stub(torch.autograd.Function):
         ctx.anchored = anchored
         # Grad is off inside forward(); under autocast, no weight cast is cached either, as
         # for a checkpointed unit (the cache would hold every unit's casts to the end).
-        with autocast_without_cache():
+        with autocast_without_cache(), _hooks_on_untracked_tensors_ignored():
             tensors, run.rebuild = _flatten(run.forward())
         return tuple(tensors)
 

@@ -30,11 +30,13 @@ from remat.core.bytesize import format_bytes
 from remat.core.checks import (
     check_budget_arg,
     check_count,
+    check_flag,
     check_head_setting,
     check_inputs,
     check_model,
     check_plan,
     check_profile_args,
+    check_timing,
 )
 from remat.core.errors import ArgumentError, ParameterError, RematError
 from remat.core.loop import Loop, loop_or_default
@@ -91,6 +93,9 @@ def _profile(model: nn.Module, sample_batch: Any, *, granularity: str,
 
     check_profile_args(model, sample_batch, loss_fn=settings.get("loss_fn"),
                        optimizer=settings.get("optimizer"), loop=settings.get("loop"))
+    # Before the cache: a cached profile would otherwise hide a malformed setting.
+    check_timing(settings.get("warmup", 1), settings.get("repeats", 3),
+                 settings.get("tolerance", 0.05))
 
     def make() -> Profile:
         blocks, children = profile_levels(model, sample_batch, granularity=granularity,
@@ -247,11 +252,11 @@ def solve(
         check_method(method, {})
     else:
         check_method(method, solver_params)
-    if verify and memory_budget is not None and not isinstance(model_or_profile, Profile):
-        check_count("verify_rounds", verify_rounds, lo=1, meaning="the most plans verification "
-                    "measures; verify=False skips it", owner="solve()")
-        check_count("verify_steps", verify_steps, lo=1, meaning="the consecutive optimizer "
-                    "steps verification measures", owner="solve()")
+    # Checked whether or not verification runs: a malformed count is a mistake either way.
+    check_count("verify_rounds", verify_rounds, lo=1, meaning="the most plans verification "
+                "measures; verify=False skips it", owner="solve()")
+    check_count("verify_steps", verify_steps, lo=1, meaning="the consecutive optimizer "
+                "steps verification measures", owner="solve()")
     if compiled and (isinstance(model_or_profile, Profile) or memory_budget is None):
         raise RematError(
             "compiled=True measures candidate plans compiled, so it needs the model, a sample "
@@ -430,12 +435,15 @@ def apply_plan(model: nn.Module, plan: Plan, *, strict_shapes: bool = False,
 
     Raises:
         ArgumentError: ``model`` is not a module, or ``plan`` is not a Plan (a path to a
-            plan file: load it with ``remat.Plan.from_json(path)``).
+            plan file: load it with ``remat.Plan.from_json(path)``), or ``strict`` or
+            ``strict_shapes`` is not a bool.
         PlanMismatchError: the plan does not fit the model (another width, dtype or
             depth, a device it was not made for).
     """
     check_model(model, "apply_plan()")
     check_plan(plan, "apply_plan()")
+    check_flag("strict_shapes", strict_shapes, owner="apply_plan()")
+    check_flag("strict", strict, owner="apply_plan()")
     from remat.runtime import apply_plan as apply
 
     return apply(model, plan, strict_shapes=strict_shapes, strict=strict)

@@ -9,8 +9,9 @@
     python -m remat pareto   --model mymodule:make --loss cross_entropy --out pareto.png
 
 Every error remat detects (a bad budget, an unwritable ``--out``, an unreadable
-``--profile``...) is one line on stderr and exit status 2, found before profiling
-where it can be, and no output file is left half written.
+``--profile``, an empty value, a ``module:function`` that cannot be called as
+``--model`` or ``--loss`` calls it...) is one line on stderr and exit status 2, found
+before profiling where it can be, and no output file is left half written.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class Workload:
         model, batch, third, self.label = load_model(args.model, size=args.size)
         target = third if isinstance(third, torch.Tensor) else None
         loss_fn = None if target is not None else third
-        if args.loss:
+        if args.loss is not None:
             loss_fn = loss_from_spec(args.loss, target)
         elif target is not None:
             raise RematError(f"--model {args.model!r} returned a target tensor as its third "
@@ -146,7 +147,8 @@ def _preflight(args: argparse.Namespace) -> None:
     from remat.output import check_figure_format, check_writable
     from remat.solver.solve import check_method
 
-    has_profile = bool(getattr(args, "profile", None))
+    _check_not_empty(args)
+    has_profile = getattr(args, "profile", None) is not None
     if has_profile and getattr(args, "compiled", False):
         raise RematError("solve --compiled compiles candidate plans: it needs --model, not "
                          "--profile")
@@ -172,17 +174,27 @@ def _preflight(args: argparse.Namespace) -> None:
     if getattr(args, "points", None) is not None:
         check_count("points", args.points, lo=1, meaning="how many budgets to solve at",
                     owner="pareto --points")
-    if getattr(args, "out", None):
+    if getattr(args, "out", None) is not None:
         check_writable(args.out)
         if args.command == "pareto":
             check_figure_format(args.out)
+
+
+def _check_not_empty(args: argparse.Namespace) -> None:
+    """No flag is given an empty value (``--out ''``, ``--model "$UNSET"``): read as "not
+    given", it would silently do something else (no file written, the default model)."""
+    for dest, value in vars(args).items():
+        if isinstance(value, str) and not value.strip():
+            flag = "--" + dest.replace("_", "-")
+            raise RematError(f"{flag} {value!r} is empty: give it a value, or drop {flag} "
+                             "for its default")
 
 
 def _load_profile(args: argparse.Namespace) -> tuple[Any, Workload | None, str]:
     """``(profile, workload, label)``; the workload is ``None`` for a saved profile."""
     import remat
 
-    if getattr(args, "profile", None):
+    if getattr(args, "profile", None) is not None:
         return remat.Profile.from_json(args.profile), None, args.profile
     work = Workload(args)
     return work.profile(), work, work.label
@@ -210,7 +222,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
         f"no-checkpoint peak {mib(no_checkpoint_peak_bytes(profile))} MiB (predicted) on "
         f"{profile.device}"
     )
-    if args.out:
+    if args.out is not None:
         _write_json(args.out, profile.to_json())
 
 
@@ -241,7 +253,7 @@ def cmd_solve(args: argparse.Namespace) -> None:
     if args.measure and work is not None:
         m = _measure_plan(work, plan)
         print(f"measured  peak {mib(m.worst_peak_bytes)} MiB, measured step {m.time_ms:.1f} ms")
-    if args.out:
+    if args.out is not None:
         _write_json(args.out, plan.to_json())
 
 

@@ -14,6 +14,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from remat.core.checks import why_not_callable_with
 from remat.core.errors import RematError
 
 __all__ = ["LOSSES", "LossSpecError", "loss_from_spec", "prediction"]
@@ -62,6 +63,12 @@ def loss_from_spec(spec: str, target: Any = None) -> Callable[[Any, Any], Any]:
                                 "function(output, batch) returns the scalar loss") from err
         if not callable(fn):
             raise LossSpecError(f"--loss {spec!r} is a {type(fn).__name__}, not a function")
+        # Checked here too (profile() checks any loss_fn) to name the flag, not loss_fn=.
+        why = why_not_callable_with(fn, 2)
+        if why is not None:
+            raise LossSpecError(f"--loss {spec!r}: the loss is called as function(output, "
+                                f"batch), and {why}; give module:function naming a function "
+                                "of (output, batch) that returns the scalar loss")
         return fn
     if spec not in LOSSES:
         raise LossSpecError(f"--loss {spec!r}: valid are {', '.join(LOSSES)} or module:function")

@@ -8,6 +8,7 @@ The user's own exceptions (a loss or a model that raises) pass through unchanged
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -155,6 +156,32 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      "loop=remat.Loop(accumulation_steps=2, autocast='bfloat16')"),
     ("estimate in autocast, another loop", _in_autocast(lambda: remat.estimate(
         MODEL, BATCH, loss_fn=LOSS, loop=remat.Loop())), LoopError, "estimate() runs inside"),
+    # Timing counts: ints, not floats or bools, checked before the profile cache is read.
+    ("profile repeats 2.5", lambda: remat.profile(MODEL, BATCH, loss_fn=LOSS, repeats=2.5),
+     ProfileError, "profile() needs repeats, an int with 1 <= repeats"),
+    ("profile warmup True", lambda: remat.profile(MODEL, BATCH, loss_fn=LOSS, warmup=True),
+     ProfileError, "got warmup=True"),
+    ("profile tolerance '5%'", lambda: remat.profile(MODEL, BATCH, loss_fn=LOSS,
+                                                     tolerance="5%"),
+     ProfileError, "0 <= tolerance < 1"),
+    ("measure repeats 1.5", lambda: remat.measure(MODEL, BATCH, loss_fn=LOSS, repeats=1.5),
+     ProfileError, "measure() needs repeats, an int with 0 <= repeats"),
+    ("measure steps True", lambda: remat.measure(MODEL, BATCH, loss_fn=LOSS, steps=True),
+     ParameterError, "got steps=True"),
+    ("measure time_within 1.5", lambda: remat.measure(MODEL, BATCH, loss_fn=LOSS,
+                                                      time_within=1.5),
+     ParameterError, "got time_within=1.5"),
+    ("verify rounds without verify", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=LOSS,
+                                                         verify=False, verify_rounds=2.5),
+     ParameterError, "got verify_rounds=2.5"),
+    ("apply_plan strict 'yes'", lambda: remat.apply_plan(MODEL, _on_device("cpu"),
+                                                         strict="yes"),
+     ArgumentError, "strict must be True or False, got strict='yes'"),
+    ("apply_plan strict_shapes 1", lambda: remat.apply_plan(MODEL, _on_device("cpu"),
+                                                            strict_shapes=1),
+     ArgumentError, "strict_shapes must be True or False"),
+    ("a loss of no arguments", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=os.getcwd),
+     ArgumentError, "loss_fn is called as loss_fn(output, batch), and getcwd()"),
 ]
 
 
@@ -250,6 +277,20 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
     ("a model that is not a function", ["estimate", "--model", "os:sep"], "not a function"),
     ("a loss without names", ["solve", "--model", "mlp", "--size", "tiny", "--loss", ":",
                               "--budget", "1GB"], "--loss ':': name both"),
+    ("a loss of no arguments", ["solve", "--model", "mlp", "--size", "tiny", "--loss",
+                                "os:getcwd", "--budget", "1GB"],
+     "--loss 'os:getcwd': the loss is called as function(output, batch)"),
+    ("a model that takes arguments", ["estimate", "--model", "os.path:join"],
+     "--model 'os.path:join': the function is called with no arguments"),
+    ("an empty --out", ["profile", "--model", "mlp", "--size", "tiny", "--out", ""],
+     "--out '' is empty"),
+    ("an empty pareto --out", ["pareto", "--model", "mlp", "--size", "tiny", "--out", ""],
+     "--out '' is empty"),
+    ("an empty --profile", ["solve", "--profile", "", "--budget", "1GB"],
+     "--profile '' is empty"),
+    ("an empty --model", ["estimate", "--model", ""], "--model '' is empty"),
+    ("an empty --loss", ["solve", "--model", "mlp", "--size", "tiny", "--loss", "",
+                         "--budget", "1GB"], "--loss '' is empty"),
 ]
 
 

@@ -242,3 +242,21 @@ def test_both_searches_plan_within_what_the_device_can_give(monkeypatch, compile
     assert capped == [10**9]
     assert plan.budget_bytes == 10**9 // 2
     assert seen == ([10**9 // 2] if compiled else [])
+
+
+@pytest.mark.parametrize("entry", ["profile", "solve"])
+def test_a_device_the_model_fills_is_named(entry: str) -> None:
+    ref = models.build("mlp", size="tiny", seed=0)
+    forget_profiles()
+    resident = _resident(ref)
+    before = _snapshot(ref.model)
+    call = {"profile": lambda: remat.profile(ref.model, ref.batch, loss_fn=ref.loss_fn),
+            "solve": lambda: remat.solve(ref.model, ref.batch, "60%", loss_fn=ref.loss_fn)}
+    # The model and its batch fill the device: the first byte profiling asks for fails.
+    with SimulatedDevice(resident, resident_bytes=resident) as device:
+        with pytest.raises(DeviceMemoryError, match="snapshot") as info:
+            call[entry]()
+    assert device.out_of_memory == 1
+    assert "out of memory" in str(info.value) and "more memory" in str(info.value)
+    assert _same(_snapshot(ref.model), before)
+    assert all(p.grad is None for p in ref.model.parameters())

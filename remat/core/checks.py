@@ -19,6 +19,7 @@ the checks look it up in ``sys.modules`` instead of importing it.
 from __future__ import annotations
 
 import collections.abc
+import inspect
 import math
 import numbers
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from remat.core.budget import Budget, check_budget
-from remat.core.errors import ArgumentError, BudgetError, LoopError, ParameterError
+from remat.core.errors import ArgumentError, BudgetError, LoopError, ParameterError, ProfileError
 from remat.core.loop import Loop, loop_code
 from remat.core.plan import Plan
 from remat.core.profile import Profile
@@ -38,16 +39,20 @@ __all__ = [
     "check_budget_arg",
     "check_budget_bytes",
     "check_count",
+    "check_flag",
     "check_head_setting",
     "check_inputs",
     "check_loop",
     "check_loss_fn",
     "check_model",
+    "check_not_lazy",
     "check_not_meta",
     "check_optimizer",
     "check_plan",
     "check_profile_args",
     "check_seconds",
+    "check_timing",
+    "why_not_callable_with",
 ]
 
 
@@ -58,14 +63,22 @@ def check_count(name: str, value: object, *, lo: int, hi: int | None = None,
     The message reads ``"uniform needs k, an int with 1 <= k <= 12 (the number of
     units), got k=13"``.
     """
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    ok = ok and lo <= value and (hi is None or value <= hi)
-    if not ok:
-        bound = f"{lo} <= {name}" + (f" <= {hi}" if hi is not None else "")
-        who = f"{owner} needs" if owner else "needs"
-        note = f" ({meaning})" if meaning else ""
-        raise ParameterError(f"{who} {name}, an int with {bound}{note}, got {name}={value!r}")
+    problem = _count_problem(name, value, lo=lo, hi=hi, meaning=meaning, owner=owner)
+    if problem is not None:
+        raise ParameterError(problem)
     return int(value)
+
+
+def _count_problem(name: str, value: object, *, lo: int, hi: int | None = None,
+                   meaning: str = "", owner: str = "") -> str | None:
+    """:func:`check_count`'s message for ``value``, or ``None`` when it is fine."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if ok and lo <= value and (hi is None or value <= hi):
+        return None
+    bound = f"{lo} <= {name}" + (f" <= {hi}" if hi is not None else "")
+    who = f"{owner} needs" if owner else "needs"
+    note = f" ({meaning})" if meaning else ""
+    return f"{who} {name}, an int with {bound}{note}, got {name}={value!r}"
 
 
 def check_seconds(name: str, value: object, *, owner: str = "") -> float:
@@ -77,6 +90,60 @@ def check_seconds(name: str, value: object, *, owner: str = "") -> float:
             f"{who} {name}, a finite number of seconds > 0, got {name}={value!r}"
         )
     return float(value)
+
+
+def check_flag(name: str, value: object, *, owner: str = "") -> bool:
+    """``value`` when it is a bool; else :class:`ArgumentError` (``strict="yes"`` would
+    read as true, and ``strict="no"`` too)."""
+    if not isinstance(value, bool):
+        who = f"{owner}: " if owner else ""
+        raise ArgumentError(f"{who}{name} must be True or False, got {name}={value!r}")
+    return value
+
+
+def check_timing(warmup: object, repeats: object, tolerance: object = None, *,
+                 min_repeats: int = 1, where: str = "profile()") -> None:
+    """The timing settings of :func:`remat.profile` (``tolerance`` too) and
+    :func:`remat.measure` (``tolerance=None``): whole counts (not bools) and a fraction.
+
+    A :class:`~remat.core.errors.ProfileError`, as these functions have always raised
+    for a count out of range, that names the argument and its valid values.
+    """
+    untimed = "; 0 for no timing" if min_repeats == 0 else ""
+    for problem in (
+        _count_problem("warmup", warmup, lo=0, meaning="un-timed runs before the timed ones",
+                       owner=where),
+        _count_problem("repeats", repeats, lo=min_repeats,
+                       meaning=f"timed runs whose median is taken{untimed}", owner=where),
+    ):
+        if problem is not None:
+            raise ProfileError(problem)
+    if tolerance is None:
+        return
+    number = isinstance(tolerance, numbers.Real) and not isinstance(tolerance, bool)
+    if not number or not 0 <= float(tolerance) < 1:  # NaN fails both comparisons
+        raise ProfileError(
+            f"{where} needs tolerance, a number with 0 <= tolerance < 1 (within this fraction "
+            "of a time the runs taken may settle its median; 0 takes every repeat), got "
+            f"tolerance={tolerance!r}")
+
+
+def why_not_callable_with(fn: Any, count: int) -> str | None:
+    """Why ``fn`` cannot be called with ``count`` positional arguments (``"getcwd() cannot
+    be called with 2 positional arguments"``), or ``None`` when it can or its signature is
+    not known (some builtins): a mismatch then surfaces where it is called, as before.
+    Read from the signature: ``fn`` is not called."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        return f"{name}{signature} cannot be called with {count} positional argument" + (
+            "s" if count != 1 else "")
+    return None
 
 
 def check_budget_bytes(budget_bytes: object) -> int | None:
@@ -127,6 +194,27 @@ def check_not_meta(model: Any, where: str = "profile()") -> None:
                     "weights (model.load_state_dict(...)); or build it on a real device")
 
 
+def check_not_lazy(model: Any, where: str = "profile()") -> None:
+    """``model`` must have no uninitialised (lazy) parameters: a :class:`ProfileError`
+    naming the first module that has them.
+
+    A measured step would materialise them (``nn.LazyLinear`` becomes ``nn.Linear`` with
+    freshly drawn weights), a change to the model no restore can undo and that an
+    optimizer created earlier would not see. Checked before anything reads the
+    parameters' shapes (the profile cache's key does), which a lazy parameter refuses
+    with torch's own error. Duck-typed (``has_uninitialized_params``): no torch import.
+    """
+    for name, module in model.named_modules():
+        has_lazy = getattr(module, "has_uninitialized_params", None)
+        if callable(has_lazy) and has_lazy():
+            raise ProfileError(
+                f"{where}: module {name or '(the model)'!r} ({type(module).__name__}) has "
+                "uninitialised lazy parameters; run one forward pass first "
+                "(model(sample_batch), e.g. under torch.no_grad()) so lazy modules create "
+                "their parameters, then create the optimizer and profile, solve or measure"
+            )
+
+
 def check_batch(batch: Any, where: str = "profile()") -> None:
     """One micro-batch: a tensor, a tuple/list of inputs or a dict of keyword inputs.
 
@@ -150,6 +238,14 @@ def check_loss_fn(loss_fn: Any, where: str = "profile()") -> None:
         raise ArgumentError(
             f"{where}: loss_fn must be a callable loss_fn(output, batch) -> scalar Tensor, or "
             f"None to use the output's .loss; got {_kind(loss_fn)}")
+    # Called as loss_fn(output, batch): a function that cannot take them (os.getcwd, a
+    # loss of the output alone) would fail only after the forward, with a raw TypeError.
+    why = None if loss_fn is None else why_not_callable_with(loss_fn, 2)
+    if why is not None:
+        raise ArgumentError(
+            f"{where}: loss_fn is called as loss_fn(output, batch), and {why}; pass a "
+            "function of (output, batch) returning the scalar loss, e.g. "
+            "lambda output, batch: my_loss(output)")
 
 
 def check_optimizer(optimizer: Any, where: str = "profile()") -> None:
@@ -221,6 +317,7 @@ def check_profile_args(
 ) -> None:
     """Every check :func:`remat.profile` needs before it runs the model."""
     check_model(model, where)
+    check_not_lazy(model, where)
     check_not_meta(model, where)
     check_batch(sample_batch, where)
     check_loss_fn(loss_fn, where)

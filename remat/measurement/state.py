@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from remat.core.errors import ProfileError
+from remat.core.checks import check_not_lazy
 from remat.measurement.host import host_copies
 from remat.measurement.in_backward import suspended
 
@@ -70,24 +70,6 @@ class RngState:
             random.setstate(self.python)
         if self.numpy is not None:
             np.random.set_state(self.numpy)
-
-
-def check_not_lazy(model: nn.Module) -> None:
-    """Raise :class:`ProfileError` when a submodule still has uninitialised (lazy) parameters.
-
-    A measured step would materialise them (``nn.LazyLinear`` becomes ``nn.Linear``
-    with freshly drawn weights), which is a change to the model no restore can undo
-    and that an optimizer created earlier would not see.
-    """
-    for name, module in model.named_modules():
-        has_lazy = getattr(module, "has_uninitialized_params", None)
-        if callable(has_lazy) and has_lazy():
-            raise ProfileError(
-                f"module {name or '(the model)'!r} ({type(module).__name__}) has uninitialised "
-                "lazy parameters; run one forward pass first (model(sample_batch), e.g. under "
-                "torch.no_grad()) so lazy modules create their parameters, then create the "
-                "optimizer and profile, solve or measure"
-            )
 
 
 _MISSING = object()

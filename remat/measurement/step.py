@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.core.checks import check_profile_args
+from remat.core.checks import check_count, check_profile_args, check_timing
 from remat.core.errors import ProfileError
 from remat.core.loop import Loop, loop_or_default
 from remat.measurement.allocator import AllocatorTimeline
@@ -227,12 +227,21 @@ def measure_step(
 
     Raises:
         LossNotFoundError: no ``loss_fn`` and the output has no ``.loss``.
+        ProfileError: ``warmup`` or ``repeats`` not a whole count (``repeats=0`` is
+            valid: not timed), or ``repeats`` with ``restore=False``.
+        ParameterError: ``steps`` or ``time_within`` not a whole count in range.
     """
     check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
                        where="measure()")
-    if repeats < 0 or warmup < 0 or (repeats and not restore) or steps < 1:
-        raise ProfileError(f"need repeats >= 0, warmup >= 0, steps >= 1 (and repeats=0 without "
-                           f"restore), got {repeats=} {warmup=} {steps=} {restore=}")
+    check_timing(warmup, repeats, min_repeats=0, where="measure()")
+    check_count("steps", steps, lo=1, meaning="consecutive optimizer steps measured",
+                owner="measure()")
+    if time_within is not None:
+        check_count("time_within", time_within, lo=0, meaning="bytes: time the step only when "
+                    "its peak is at most this; None times it always", owner="measure()")
+    if repeats and not restore:
+        raise ProfileError(f"measure(): restore=False trains the model, so its steps cannot be "
+                           f"timed from the same state: pass repeats=0, got {repeats=}")
     loop = loop_or_default(loop)
     device = model_device(model)
     watch = Stopwatch(device)

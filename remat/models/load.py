@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from remat.core.checks import why_not_callable_with
 from remat.core.errors import RematError
 from remat.models.registry import build
 
@@ -46,6 +47,12 @@ def load_model(spec: str, *, size: str = "small", seed: int = 0) -> tuple[Any, A
         raise RematError(f"--model {spec!r}: {fn_name!r} is a {type(factory).__name__}, not a "
                          "function; give module:function where the function returns (model, "
                          "sample_batch)")
+    # Called with no arguments: one that needs some would fail with a raw TypeError.
+    why = why_not_callable_with(factory, 0)
+    if why is not None:
+        raise RematError(f"--model {spec!r}: the function is called with no arguments, and "
+                         f"{why}; give module:function where the function takes none and "
+                         "returns (model, sample_batch)")
     made = factory()
     if hasattr(made, "model") and hasattr(made, "batch"):
         return made.model, made.batch, made.loss_fn, spec

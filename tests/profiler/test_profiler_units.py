@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
 import torch
 from torch import nn
 
+import remat
 from remat import models
 from remat.core.errors import LossNotFoundError, NoUnitsError, ProfileError
 from remat.core.plan import Plan
@@ -222,3 +224,37 @@ def test_bad_arguments() -> None:
             profile(model, x, loss_fn=lambda o, b: o.sum(), options=["offload"])
     with pytest.raises(ProfileError, match="repeats"):
         profile(model, x, loss_fn=lambda o, b: o.sum(), repeats=0)
+
+
+class HookedBlock(nn.Module):
+    """Hooks the tensor it computes: valid with grad on, refused by torch without it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 64)
+        self.out = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y.register_hook(lambda g: g * 2)  # changes the gradient: a dropped hook would show
+        return self.out(y.relu()).tanh()
+
+
+def test_a_unit_that_hooks_what_it_computes_is_planned() -> None:
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(HookedBlock() for _ in range(6))), torch.randn(256, 16)
+    reference = copy.deepcopy(model)
+
+    def loss_fn(out: torch.Tensor, batch: object = None) -> torch.Tensor:
+        return out.square().mean()
+
+    plan = remat.solve(model, x, "60%", loss_fn=loss_fn)
+    assert any(d["option"] != "keep" for d in plan.decisions())  # something is recomputed
+    remat.apply_plan(model, plan)
+    try:
+        loss_fn(model(x)).backward()
+    finally:
+        remat.remove_plan(model)
+    loss_fn(reference(x)).backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(got.grad, want.grad)
