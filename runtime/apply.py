@@ -90,6 +90,7 @@ class _RematState:
         self.guard_hook_id: int | None = None
         self.plan_guard_id: int | None = None
         self.output_watch_id: int | None = None
+        self.first_unit_id: int | None = None  # the loop checks' pre-hook on the first unit
         # Per unit, whether its forward writes into its own arguments: None until its
         # first recomputed call tells (see ``_probe``).
         self.writes_input: list[bool | None] = [None] * len(modules)
@@ -106,6 +107,7 @@ class _RematState:
         self.__dict__.setdefault("writes_input", [None] * len(self.modules))
         self.__dict__.setdefault("plan_guard_id", None)
         self.__dict__.setdefault("output_watch_id", None)
+        self.__dict__.setdefault("first_unit_id", None)
         self.__dict__.setdefault("runs_as", [None] * len(self.modules))
         self.__dict__.setdefault("head_site", None)
         if self.runner is not None:
@@ -441,6 +443,8 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False,
     state.plan_guard_id = target.register_forward_pre_hook(guard, with_kwargs=True).id
     if checks.watch_output:
         state.output_watch_id = target.register_forward_hook(OutputWatch(checks)).id
+    if modules:
+        state.first_unit_id = modules[0].register_forward_pre_hook(checks.at_first_unit).id
     target.__dict__[STATE_ATTR] = state
     logger.debug("remat: applied plan (%s) to %s", plan.summary(), type(target).__name__)
     return model
@@ -480,6 +484,8 @@ def remove_plan(model: ModuleT) -> ModuleT:
         target._forward_pre_hooks_with_kwargs.pop(state.plan_guard_id, None)
     if state.output_watch_id is not None:
         target._forward_hooks.pop(state.output_watch_id, None)
+    if state.first_unit_id is not None and state.modules:
+        state.modules[0]._forward_pre_hooks.pop(state.first_unit_id, None)
     del target.__dict__[STATE_ATTR]
     return model
 

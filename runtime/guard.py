@@ -329,13 +329,6 @@ class LoopChecks:
                 p = slot[0]._parameters.get(slot[1])
                 if p is not None and not steps_in_backward(p) and not self.said("stepped"):
                     self.not_stepped(model)
-            device = self.device_type
-            if device is not None:
-                on = torch.is_autocast_enabled(device)
-                if (on != (self.autocast is not None) or (
-                        on and torch.get_autocast_dtype(device) != self.autocast)) \
-                        and not self.said("autocast"):
-                    self.autocast_differs(on)
         slot = self.dtype_slot
         if slot is not None:
             p = slot[0]._parameters.get(slot[1])
@@ -344,6 +337,20 @@ class LoopChecks:
         for name, module, children in self.containers:
             if len(module._modules) > children and not self.said("added"):
                 self.module_added(name, module, children)
+
+    def at_first_unit(self, module: nn.Module, args: Any) -> None:
+        """The first unit's forward pre-hook: the autocast state the units run in. Read
+        here, not before the model's forward: a forward wrapped in autocast (accelerate's
+        mixed precision, a user's decorator) enters it inside."""
+        device = self.device_type
+        if (device is None or self.loop is None or not torch.is_grad_enabled()
+                or not module.training or torch.compiler.is_compiling()):
+            return
+        on = torch.is_autocast_enabled(device)
+        if (on != (self.autocast is not None) or (
+                on and torch.get_autocast_dtype(device) != self.autocast)) \
+                and not self.said("autocast"):
+            self.autocast_differs(on)
 
     # -- the mismatches ------------------------------------------------------------------
     def said(self, kind: str) -> bool:

@@ -73,41 +73,109 @@ def test_trainer_trains_under_the_plan(tmp_path: Path, caplog: pytest.LogCapture
     print("\n" + report.summary())
 
 
-def test_below_what_the_head_as_it_is_reaches_the_trainer_trains_with_a_chunked_head(
-        tmp_path: Path) -> None:
+def _big_vocabulary() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=64, n_head=2, vocab_size=4096,
+                                      n_positions=SEQ, use_cache=False, bos_token_id=0,
+                                      eos_token_id=0))
+
+
+def _below_the_head(args: TrainingArguments, data: Tokens) -> int:
+    """A budget only a chunked head meets, in the Trainer's loop for ``args``."""
     from remat import Loop, profile
     from remat.solver import min_peak_bytes
     from remat.solver.heads import lowest_floor
 
-    def big_vocabulary() -> GPT2LMHeadModel:
-        torch.manual_seed(0)
-        return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=64, n_head=2, vocab_size=4096,
-                                          n_positions=SEQ, use_cache=False, bos_token_id=0,
-                                          eos_token_id=0))
-
-    args = _args(tmp_path)
-    data = Tokens()
-    data.ids = data.ids * 32  # tokens across the whole vocabulary
-    probe = big_vocabulary()
+    probe = _big_vocabulary()
     batch = {"input_ids": data.ids[:4], "labels": data.ids[:4]}
     prof = profile(probe, batch, loop=Loop.hf_trainer(args), repeats=1,
                    optimizer=torch.optim.AdamW(probe.parameters()))
     chunks, lowest = lowest_floor(prof)
     budget = int(lowest * 1.05)
     assert chunks is not None and budget < min_peak_bytes(prof)
+    return budget
 
-    model = big_vocabulary()
+
+def _wide_tokens() -> Tokens:
+    data = Tokens()
+    data.ids = data.ids * 32  # tokens across the whole vocabulary
+    return data
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_below_what_the_head_as_it_is_reaches_the_trainer_trains_with_a_chunked_head(
+        tmp_path: Path, bf16: bool) -> None:
+    args = _args(tmp_path, bf16=bf16)
+    data = _wide_tokens()
+    budget = _below_the_head(args, data)
+    model = _big_vocabulary()
     callback = RematCallback(memory_budget=budget)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    autocast_in_training: list[bool] = []
+
+    def record(_module: object, _args: object) -> None:
+        if torch.is_grad_enabled():
+            autocast_in_training.append(torch.is_autocast_enabled("cpu"))
+
+    model.transformer.h[0].register_forward_pre_hook(record)
     trainer.train()
     report = callback.report
     assert report is not None and report.plan.head is not None
+    assert "smallest peak with the head as written" in report.plan.summary()  # why chunked
     assert report.verified_peak_bytes is not None and report.verified_peak_bytes <= budget
     step = report.trainer_step
     assert step is not None and step.peak_bytes <= budget
     assert abs(step.peak_bytes - report.predicted_peak_bytes) <= 0.01 * step.peak_bytes
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history
                if "loss" in e)
+    # accelerate's mixed-precision forward is still the model's: every training forward,
+    # planned ones included, ran under its autocast (bf16) or none (float32).
+    assert autocast_in_training and all(on == bf16 for on in autocast_in_training)
+
+
+class _OwnLoss(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                 labels[:, 1:].flatten())
+
+
+def _smoothed(logits_output, labels, num_items_in_batch=None):
+    logits = logits_output.logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                             labels[:, 1:].flatten(), label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("how", ["label_smoothing_factor", "compute_loss_func", "compute_loss"])
+def test_a_trainer_computing_the_loss_outside_the_model_is_planned_as_it_runs(
+        tmp_path: Path, how: str) -> None:
+    from remat import InfeasibleBudgetError
+
+    kwargs = {"label_smoothing_factor": 0.1} if how == "label_smoothing_factor" else {}
+    args = _args(tmp_path, **kwargs)
+    data = _wide_tokens()
+    make = _OwnLoss if how == "compute_loss" else Trainer
+    extra = {"compute_loss_func": _smoothed} if how == "compute_loss_func" else {}
+    # Below the head as written, the model's own loss could chunk it; this Trainer's loss
+    # reads the logits, so no plan fits (before: a chunked head planned, bypassed, and the
+    # step 80-104% over the budget).
+    below = _below_the_head(_args(tmp_path), data)
+    trainer = make(model=_big_vocabulary(), args=args, train_dataset=data,
+                   callbacks=[RematCallback(memory_budget=below)], **extra)
+    with pytest.raises(InfeasibleBudgetError):
+        trainer.train()
+    model = _model()
+    callback = RematCallback(memory_budget="50%")
+    trainer = make(model=model, args=args, train_dataset=Tokens(), callbacks=[callback],
+                   **extra)
+    trainer.train()
+    report = callback.report
+    assert report is not None and report.plan.head is None
+    assert planned(model) == report.plan and report.plan.options != ("keep",) * report.plan.n
+    step = report.trainer_step
+    assert step is not None and step.peak_bytes <= report.budget_bytes
+    assert abs(step.peak_bytes - report.predicted_peak_bytes) <= 0.03 * step.peak_bytes
 
 
 def test_hf_gradient_checkpointing_is_refused(tmp_path: Path) -> None:

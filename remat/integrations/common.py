@@ -122,7 +122,7 @@ class RunReport:
 
 
 def solve_plan(model: Any, batch: Any, loop: Loop, optimizer: Any,
-               settings: CallbackSettings, *, loss_fn: Any = None) -> Plan:
+               settings: CallbackSettings, *, loss_fn: Any = None, head: str = "auto") -> Plan:
     """The verified plan for ``model`` on ``batch`` in ``loop`` (:func:`remat.solve`)."""
     from remat.api import solve
 
@@ -130,4 +130,4 @@ def solve_plan(model: Any, batch: Any, loop: Loop, optimizer: Any,
                  loss_fn=loss_fn if loss_fn is not None else settings.loss_fn,
                  optimizer=optimizer if settings.include_optimizer else None,
                  units=settings.units, options=settings.options, loop=loop,
-                 verify=settings.verify, **settings.solver_params)
+                 verify=settings.verify, head=head, **settings.solver_params)

@@ -20,6 +20,16 @@ state), measures the Trainer's own step. The figures are logged on the ``remat``
 logger, kept in :attr:`RematCallback.report`, and appended to the Trainer's
 ``state.log_history`` (so ``trainer_state.json`` has them) when training ends.
 
+**The loss the Trainer really computes.** With ``label_smoothing_factor > 0``, a
+``compute_loss_func`` or a subclass that overrides ``compute_loss``, the Trainer takes
+the loss from the model's output outside the model (the logits alive until it is
+taken): the callback then plans the Trainer's own ``compute_loss`` (a wrapper module
+whose forward calls it, as the Lightning callback plans ``training_step``), with no
+chunked head (the loss is not the model's). It finds the Trainer on the call stack of
+``on_train_begin``; where it cannot, it plans the model's own loss and says so.
+accelerate's mixed-precision wrapper of ``model.forward`` stays in place: remat never
+replaces a forward (:mod:`remat.execute.lazy_logits`).
+
 The plan stays applied after training (evaluation and generation run without
 grad, where a plan costs nothing); ``remat.remove_plan(model)`` takes it off.
 
@@ -33,7 +43,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from transformers import TrainerCallback
+import inspect
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
 
 from remat.core.loop import Loop
 from remat.integrations.common import CallbackSettings, IntegrationError, RunReport, solve_plan
@@ -52,6 +67,50 @@ def _hf_checkpointing_on(args: Any, model: Any) -> bool:
     if on_model is None:
         on_model = getattr(model, "is_gradient_checkpointing", False)
     return any(f is True for f in flags) or on_model is True
+
+
+def _calling_trainer() -> Trainer | None:
+    """The ``Trainer`` whose event is being handled: the nearest ``self`` on the call stack
+    that is one (callbacks are not handed their Trainer)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _loss_outside_the_model(trainer: Trainer | None, args: Any) -> tuple[Trainer, str] | None:
+    """``(trainer, why)`` where the Trainer computes the loss from the model's output
+    outside the model (see the module docstring), else ``None``."""
+    if trainer is None:
+        if getattr(args, "label_smoothing_factor", 0):
+            log.warning("remat: label_smoothing_factor=%s and the Trainer was not found on the "
+                        "call stack: planning the model's own loss, which the Trainer does not "
+                        "compute", args.label_smoothing_factor)
+        return None
+    if getattr(trainer, "label_smoother", None) is not None:
+        return trainer, f"label_smoothing_factor={args.label_smoothing_factor}"
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return trainer, "compute_loss_func"
+    if type(trainer).compute_loss is not Trainer.compute_loss:
+        return trainer, f"{type(trainer).__name__}.compute_loss"
+    return None
+
+
+class _TrainerLoss(nn.Module):
+    """The Trainer's ``compute_loss`` as a module remat can profile: its units are the
+    model's own (under ``model.``), its output the loss."""
+
+    def __init__(self, model: nn.Module, trainer: Trainer) -> None:
+        super().__init__()
+        self.model = model
+        self._trainer = trainer
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        inputs = dict(batch) if isinstance(batch, Mapping) else batch  # compute_loss pops
+        return self._trainer.compute_loss(self.model, inputs)
 
 
 class RematCallback(TrainerCallback):
@@ -124,7 +183,19 @@ class RematCallback(TrainerCallback):
                                    "there is no batch to plan for") from None
         optimizer = unwrap_optimizer(kwargs.get("optimizer"))
         loop = Loop.hf_trainer(args)
-        plan = solve_plan(model, batch, loop, optimizer, self.settings)
+        outside = _loss_outside_the_model(_calling_trainer(), args)
+        if outside is None:
+            plan = solve_plan(model, batch, loop, optimizer, self.settings)
+        else:
+            trainer, why = outside
+            log.info("remat: the Trainer computes the loss outside the model (%s): planning its "
+                     "compute_loss, with the head as written", why)
+            wrapper = _TrainerLoss(model, trainer)
+            plan = solve_plan(wrapper, (batch,), loop, optimizer, self.settings,
+                              loss_fn=lambda loss, _batch: loss, head="none")
+            # The units were named inside the wrapper ("model.<name>"): name them in the model.
+            plan = plan.with_(unit_names=tuple(n.removeprefix("model.")
+                                               for n in plan.unit_names))
         from remat.api import apply_plan
 
         apply_plan(model, plan)
