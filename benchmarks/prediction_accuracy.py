@@ -33,12 +33,13 @@ from _common import RESULTS, machine_line, markdown_table, write_result  # noqa:
 import remat  # noqa: E402
 from remat import models  # noqa: E402
 from remat.core.bytesize import mib  # noqa: E402
+from remat.measurement.runner import call_model, compute_loss  # noqa: E402
 from remat.solver.pareto import min_feasible_peak  # noqa: E402
 from remat.solver.resolve import no_checkpoint_peak_bytes  # noqa: E402
 from remat.verify import measure_plan, verified  # noqa: E402
 
 COLUMNS = ("case", "loop", "budget", "plan", "pred MiB", "disp MiB", "alloc MiB",
-           "err % (alloc)", "fits", "verified", "pred ms", "meas ms")
+           "err % (alloc)", "fits", "verified", "pred ms", "meas ms", "loss Δ")
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
@@ -117,6 +118,7 @@ def rows_for(name: str, repeats: int, make: Callable[[], Case] | None = None
     profile = remat.profile(case.model, case.batch, loss_fn=case.loss_fn, loop=case.loop,
                             optimizer=optimizer, **case.profile_options)
     lo, hi = min_feasible_peak(profile), no_checkpoint_peak_bytes(profile)
+    as_written = _loss(case)
     rows = []
     for fraction in FRACTIONS:
         budget = lo + int(fraction * (hi - lo))
@@ -127,6 +129,7 @@ def rows_for(name: str, repeats: int, make: Callable[[], Case] | None = None
         try:
             m = remat.measure(case.model, case.batch, loss_fn=case.loss_fn, loop=case.loop,
                               optimizer=optimizer, repeats=repeats)
+            planned_loss = _loss(case)
         finally:
             remat.remove_plan(case.model)
         error = (plan.record.predicted_peak_bytes - m.allocator_peak_bytes) / m.allocator_peak_bytes
@@ -139,11 +142,25 @@ def rows_for(name: str, repeats: int, make: Callable[[], Case] | None = None
             "fits": "yes" if m.worst_peak_bytes <= budget else "NO",
             "pred ms": f"{plan.record.predicted_time_ms:.0f}",
             "meas ms": f"{m.time_ms:.0f}",
+            # The planned step's loss against the model's as written (same seed): 0 where
+            # the plan changes no numerics, a summation-order difference with a chunked head.
+            "loss Δ": f"{abs(planned_loss - as_written) / max(abs(as_written), 1e-12):.1e}",
         })
         row["verified"], row["_outcome"] = _verify(case, optimizer, profile, plan, budget, m)
         rows.append(row)
         print(" | ".join(rows[-1].values()), flush=True)
     return rows
+
+
+def _loss(case: Case) -> float:
+    """The loss of one forward of ``case``'s loop under grad (a chunked head computes its
+    loss only under grad), dropout seeded; the RNG is left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=getattr(torch, case.loop.autocast or "float32"),
+                            enabled=case.loop.autocast is not None):
+            loss = compute_loss(call_model(case.model, case.batch), case.batch, case.loss_fn)
+    return float(loss.detach())
 
 
 def _verify(case: Case, optimizer, profile: remat.Profile, plan: remat.Plan, budget: int,
@@ -191,9 +208,20 @@ def report(rows: list[dict[str, str]], *, title: str, command: str, threads: int
         f"{raw_over} above the budget before verification, {over_after} after it (which "
         f"reported {refused} budget(s) infeasible instead); worst step-time error "
         f"{max(time_errors):.1f}%**\n"
+        f"- **loss** (`loss Δ`, the planned step's loss against the model's as written, same "
+        f"seed, relative): {_loss_line(rows)}\n"
     )
     table = markdown_table(COLUMNS, [[r.get(c, "") for c in COLUMNS] for r in rows])
     write_result(out, "\n".join([header, *table]) + "\n")
+
+
+def _loss_line(rows: list[dict[str, str]]) -> str:
+    exact = [r for r in rows if " head " not in f" {r['plan']} "]
+    chunked = [r for r in rows if r not in exact]
+    worst = max((float(r["loss Δ"]) for r in chunked), default=0.0)
+    equal = sum(float(r["loss Δ"]) == 0 for r in exact)
+    return (f"{equal} of {len(exact)} plans without a chunked head equal bitwise; "
+            f"{len(chunked)} with one within {worst:.1e}")
 
 
 def run_cli(cases: dict[str, Callable[[], Case]], *, description: str, title: str,

@@ -10,6 +10,13 @@ verification), on models that appear nowhere else in the repository:
 - ``bart``: ``transformers`` BART, an encoder-decoder whose decoder blocks all take
   the encoder's output, in a plain loop that keeps the output;
 - ``hf-vit-adamw``: ``transformers`` ViT image classifier, with AdamW;
+- ``mixtral-moe-trainer``: ``transformers`` Mixtral, a mixture of experts trained with its
+  router's load-balancing loss (``output_router_logits=True``), Trainer-style loop (output
+  dropped, AdamW);
+- ``qwen2-lora``: ``peft`` LoRA (rank 8 on the attention projections) on ``transformers``
+  Qwen2, output dropped, AdamW over the adapters;
+- ``bart-drop-output``: BART in a loop that drops the output (its decoder head adds
+  ``final_logits_bias`` to the logits before its loss);
 - ``densenet``: a DenseNet written to torchvision's layout (``features`` with dense
   blocks whose layers each take the concatenation of every earlier layer's output,
   transitions between them; BatchNorm), cross entropy; ``densenet-auto``: the same
@@ -76,6 +83,41 @@ def _hf_vit() -> Case:
     labels = torch.randint(0, 10, (16,))
     return Case(model, {"pixel_values": pixels, "labels": labels}, None, remat.Loop(),
                 adamw=True)
+
+
+def _mixtral_moe_trainer() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=8192, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
+    model = transformers.MixtralForCausalLM(config).train()
+    ids = torch.randint(0, 8192, (4, 128))
+    return Case(model, {"input_ids": ids, "labels": ids}, None, remat.Loop(keep_output=False),
+                adamw=True)
+
+
+def _qwen2_lora() -> Case:
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=8192, max_position_embeddings=256, use_cache=False)
+    model = peft.get_peft_model(transformers.Qwen2ForCausalLM(config),
+                                peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, 8192, (4, 128))
+    return Case(model.train(), {"input_ids": ids, "labels": ids}, None,
+                remat.Loop(keep_output=False), adamw=True)
+
+
+def _bart_drop_output() -> Case:
+    case = _bart()
+    case.loop = remat.Loop(keep_output=False)
+    return case
 
 
 class _DenseLayer(nn.Module):
@@ -159,6 +201,9 @@ CASES: dict[str, Callable[[], Case]] = {
     "qwen2-trainer": _qwen2_trainer,
     "bart": _bart,
     "hf-vit-adamw": _hf_vit,
+    "mixtral-moe-trainer": _mixtral_moe_trainer,
+    "qwen2-lora": _qwen2_lora,
+    "bart-drop-output": _bart_drop_output,
     "densenet": _densenet,
     "densenet-auto": _densenet_children,
 }
