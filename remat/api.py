@@ -38,8 +38,8 @@ from remat.core.checks import (
     check_profile_args,
     check_timing,
 )
-from remat.core.errors import ArgumentError, ParameterError, RematError
-from remat.core.loop import Loop, loop_or_default
+from remat.core.errors import ArgumentError, ParameterError, ProfileError, RematError
+from remat.core.loop import Loop
 from remat.core.plan import Plan
 from remat.core.profile import UNIT_TYPE_COUNTS, Profile
 from remat.solver.resolve import resolve_budget
@@ -48,6 +48,9 @@ from remat.solver.solve import check_method
 if TYPE_CHECKING:
     import pandas as pd
     from torch import nn
+
+    from remat.measurement.step import StepMeasurement
+    from remat.profile_cache import Lookup
 
 __all__ = ["activation_budget", "apply_plan", "pareto", "profile", "remove_plan", "solve"]
 
@@ -71,9 +74,11 @@ def profile(
     optimal plans are faster over a range of budgets (:mod:`remat.granularity`; it
     costs a second profile).
 
-    A second call on the same model with the same batch shapes, loop and options takes
+    A second call on the same model with the same batch shapes, loop and settings takes
     the profile the first made (:mod:`remat.profile_cache`: any change to the model's
-    structure, shapes, dtypes or modes, or to the settings, measures anew).
+    structure, attributes, config, classes' forwards, shapes, dtypes, modes or buffers, to
+    torch's kernel flags, or to the settings, measures anew; what it cannot see, and the
+    remedy, are in its docstring).
 
     Inside a ``torch.autocast`` and without ``loop=``, the profile is for
     ``Loop(autocast=<its dtype>)`` (a ``loop=`` that says otherwise is refused):
@@ -82,12 +87,14 @@ def profile(
     from remat.ambient import planning
 
     with planning(model, settings.pop("loop", None), "profile()") as loop:
-        return _profile(model, sample_batch, granularity=granularity, loop=loop, **settings)
+        return _profile(model, sample_batch, granularity=granularity, loop=loop,
+                        **settings).profile
 
 
-def _profile(model: nn.Module, sample_batch: Any, *, granularity: str,
-             **settings: Any) -> Profile:
-    """:func:`profile`'s work, outside any ambient autocast: the cached profile, or a new one."""
+def _profile(model: nn.Module, sample_batch: Any, *, granularity: str, fresh: bool = False,
+             **settings: Any) -> Lookup:
+    """:func:`profile`'s work, outside any ambient autocast: the cached profile, or a new one
+    (always a new one when ``fresh``), and which it is."""
     from remat.profile_cache import cached_profile
     from remat.profiler import profile_levels
 
@@ -106,12 +113,8 @@ def _profile(model: nn.Module, sample_batch: Any, *, granularity: str,
 
         return _with_unit_type_counts(pick_level(blocks, children), model)
 
-    return cached_profile(
-        model, sample_batch, make, loss_fn=settings.get("loss_fn"),
-        optimizer=settings.get("optimizer"), loop=loop_or_default(settings.get("loop")),
-        units=settings.get("units"), options=settings.get("options"),
-        granularity=granularity, repeats=settings.get("repeats", 3),
-        head=settings.get("head", "auto"))
+    return cached_profile(model, sample_batch, make,
+                          settings={**settings, "granularity": granularity}, fresh=fresh)
 
 
 def _with_unit_type_counts(prof: Profile, model: nn.Module) -> Profile:
@@ -209,12 +212,17 @@ def solve(
             computed when read), taken only below the smallest peak of the head as
             written; ``"chunked"``: offered whatever the loop keeps and taken wherever
             faster (an error where no head is recognised or its check fails); ``"none"``:
-            never. On a saved profile, ``"none"`` and ``"chunked"`` decide how its
-            measured head is used.
+            never.
+            With a :class:`Profile`, ``"none"`` plans the head as it was measured as it
+            is (a ``ProfileError`` where only its chunked variants were), ``"chunked"``
+            needs a profile that measured them.
         verify: with a model and a budget, apply the plan, measure one real step of
             the loop (the higher of the dispatch-level meter and the allocator's
             view), and when it is over the budget solve again for a budget lowered by
             the excess (:mod:`remat.verify`). The plan records the measured peak.
+            A plan from a *cached* profile measured more than 1% off its prediction
+            means the model changed where the cache's key does not look: that profile
+            is dropped, the model profiled once more, and the plan solved on it (logged).
             ``False`` skips it (the plan then carries only its prediction).
         verify_rounds: the most plans verification measures.
         verify_steps: how many consecutive optimizer steps verification measures (the
@@ -264,27 +272,39 @@ def solve(
             "compiled=True)"
         )
     if isinstance(model_or_profile, Profile):
-        plan = _solve(model_or_profile, sample_batch, _within_device(model_or_profile, budget),
-                      method=method, verify=False, solver_params=solver_params, head=head)
+        prof = profile_for_head(model_or_profile, head, "solve()")
+        plan = _solve(prof, sample_batch, _within_device(prof, budget), method=method,
+                      verify=False, solver_params=solver_params, head=head)
     else:
         from remat.ambient import planning
+        from remat.profile_cache import note_restored
 
-        with planning(model_or_profile, loop, "solve()") as loop:
-            prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,
-                               optimizer=optimizer, units=units, options=options, loop=loop,
-                               granularity=granularity, head=head)
+        model = model_or_profile
+        with planning(model, loop, "solve()") as loop:
+            settings = {"loss_fn": loss_fn, "optimizer": optimizer, "units": units,
+                        "options": options, "loop": loop, "head": head}
+            found = _profile(model, sample_batch, granularity=granularity, **settings)
+            prof = found.profile
             # Both searches plan within what the device can give (CUDA), eager or compiled.
             budget = _within_device(prof, budget)
             if compiled:
                 from remat.compiled import solve_compiled
 
-                return solve_compiled(model_or_profile, sample_batch, prof, budget,
-                                      method=method, loss_fn=loss_fn, optimizer=optimizer,
-                                      compile_options=compile_options, **solver_params)
+                try:
+                    return solve_compiled(model, sample_batch, prof, budget, method=method,
+                                          loss_fn=loss_fn, optimizer=optimizer,
+                                          compile_options=compile_options, **solver_params)
+                finally:
+                    note_restored(model, prof)
+
+            def reprofile() -> Profile:
+                return _profile(model, sample_batch, granularity=granularity, fresh=True,
+                                **settings).profile
+
             plan = _solve(prof, sample_batch, budget, method=method, verify=verify,
-                          solver_params=solver_params, model=model_or_profile,
-                          loss_fn=loss_fn, optimizer=optimizer, rounds=verify_rounds,
-                          steps=verify_steps, head=head)
+                          solver_params=solver_params, model=model, loss_fn=loss_fn,
+                          optimizer=optimizer, rounds=verify_rounds, steps=verify_steps,
+                          reprofile=reprofile if found.cached else None, head=head)
     log.info(
         "remat: %s plan (%s), predicted peak %d B, step %.1f ms",
         plan.record.algorithm,
@@ -315,26 +335,90 @@ def _within_device(profile: Profile, budget: Any) -> Any:
     return capacity
 
 
+class _StaleProfile(Exception):
+    """A plan from a cached profile measured off its prediction (never leaves :func:`_solve`)."""
+
+    def __init__(self, plan: Plan, measured_bytes: int) -> None:
+        super().__init__()
+        self.predicted_bytes = plan.record.predicted_peak_bytes or 0
+        self.measured_bytes = measured_bytes
+
+
 def _solve(prof: Profile, sample_batch: Any, budget: Any, *, method: str, verify: bool,
            solver_params: Mapping[str, Any], model: nn.Module | None = None,
            loss_fn: Callable[[Any, Any], Any] | None = None, optimizer: Any = None,
-           rounds: int = 3, steps: int = 1, head: str = "auto") -> Plan:
-    """:func:`solve`'s plan for ``prof``, verified on ``model`` when there is one and a budget."""
+           rounds: int = 3, steps: int = 1,
+           reprofile: Callable[[], Profile] | None = None, head: str = "auto") -> Plan:
+    """:func:`solve`'s plan for ``prof``, verified on ``model`` when there is one and a budget.
+
+    ``reprofile``: given where ``prof`` came from the cache. The cache's key cannot see
+    everything a step's memory depends on (:mod:`remat.profile_cache`), so a plan measured
+    further from its prediction than the predictions go (:func:`remat.verify.off_prediction`)
+    drops ``prof``: the model is profiled once more, and solved and verified on that.
+    """
     from remat.solver.solve import solve_profile
 
     plan = solve_profile(prof, budget, method=method, head=head, **solver_params)
     if not verify or plan.budget_bytes is None or model is None:
         return plan
-    from remat.verify import measure_plan, verified
+    from remat.profile_cache import note_prediction_off, note_restored
+    from remat.verify import measure_plan, off_prediction, verified
 
-    return verified(
-        plan, plan.budget_bytes,
-        lambda target: solve_profile(prof, target, method=method, head=head, **solver_params)
-        .with_(budget_bytes=plan.budget_bytes),
-        lambda candidate: measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
-                                       optimizer=optimizer, loop=prof.loop, steps=steps),
-        rounds=rounds,
-    )
+    def measure(candidate: Plan) -> StepMeasurement:
+        measured = measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
+                                optimizer=optimizer, loop=prof.loop, steps=steps)
+        if off_prediction(candidate, measured):
+            if reprofile is not None:
+                raise _StaleProfile(candidate, measured.worst_peak_bytes)
+            note_prediction_off(model, prof)
+        return measured
+
+    try:
+        return verified(
+            plan, plan.budget_bytes,
+            lambda target: solve_profile(prof, target, method=method, head=head,
+                                         **solver_params)
+            .with_(budget_bytes=plan.budget_bytes),
+            measure, rounds=rounds,
+        )
+    except _StaleProfile as err:
+        stale = err  # solved again below, outside the handler: no chained traceback
+    finally:
+        # Verification ran the model and restored it: its profile still describes it.
+        note_restored(model, prof)
+    assert reprofile is not None
+    log.warning("remat: a plan from the cached profile of this %s measured %s against a "
+                "prediction of %s: the model changed in a way the cache's key does not see "
+                "(remat.profile_cache); profiling it again", type(model).__name__,
+                format_bytes(stale.measured_bytes), format_bytes(stale.predicted_bytes))
+    return _solve(reprofile(), sample_batch, budget, method=method, verify=True,
+                  solver_params=solver_params, model=model, loss_fn=loss_fn,
+                  optimizer=optimizer, rounds=rounds, steps=steps, head=head)
+
+
+def profile_for_head(profile: Profile, head: str, owner: str) -> Profile:
+    """``profile`` as ``head`` asks, for a profile given rather than measured: ``"auto"``
+    as measured; ``"none"`` without the chunked variants (the head as it is, where it was
+    measured so); ``"chunked"`` only where the variants were measured.
+
+    Raises:
+        ProfileError: ``head`` asks for what the profile did not measure.
+    """
+    measured = profile.head
+    if head == "none" and measured is not None:
+        if not measured.as_is:
+            raise ProfileError(
+                f"{owner} got head='none' with a profile whose head {measured.name!r} was "
+                f"measured only over chunks (the head as it is did not fit the device when "
+                f"profiled), so no plan from it computes the head as it is; pass head='auto', "
+                f"or profile again with head='none' where the head fits")
+        return dataclasses.replace(profile, head=None)
+    if head == "chunked" and measured is None:
+        raise ProfileError(
+            f"{owner} got head='chunked' with a profile that measured no chunked head, so it "
+            f"cannot plan one; pass head='auto', or profile with head='chunked' "
+            f"(remat.profile(model, sample_batch, head='chunked'))")
+    return profile
 
 
 def pareto(
@@ -368,7 +452,7 @@ def pareto(
                 owner="pareto()")
     check_method(method, {})
     if isinstance(model_or_profile, Profile):
-        prof = model_or_profile
+        prof = profile_for_head(model_or_profile, head, "pareto()")
     else:
         from remat.ambient import planning
 

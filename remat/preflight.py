@@ -235,7 +235,11 @@ def estimate(
         loss_fn, units, options: as for :func:`remat.profile`.
         memory_budget: also answer whether this budget fits (bytes, ``"8GB"``, ``"60%"``).
         head: measure a chunked head (``"auto"``, ``"chunked"``, ``"none"``), as for
-            :func:`remat.solve`.
+            :func:`remat.solve` (a :class:`Profile` given is read as ``head`` asks).
+
+    A profile of the model from an earlier call is reused where nothing in
+    :mod:`remat.profile_cache`'s key changed; the estimate runs no step, so a change the
+    key cannot see (a global the loss reads) needs ``forget_profiles()`` first.
 
     Returns:
         An :class:`Estimate`: ``print(est)`` reads it out, ``est.to_frame()`` tabulates it.
@@ -245,7 +249,9 @@ def estimate(
     check_budget_arg(memory_budget)
     check_head_setting(head, "estimate()")
     if isinstance(model_or_profile, Profile):
-        prof = model_or_profile
+        from remat.api import profile_for_head
+
+        prof = profile_for_head(model_or_profile, head, "estimate()")
     else:
         from remat.ambient import planning
         from remat.api import profile

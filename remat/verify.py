@@ -9,6 +9,13 @@ dispatch-level meter and the allocator), and when the higher of the two is above
 the budget it lowers the budget it solves for by the excess and solves again, a
 bounded number of rounds. The plan it returns carries the measured peak next to the
 predicted one, and how many rounds it took.
+
+The lowered budget is remat's own, never the user's: when the excess measured outgrows
+the budget itself, the error names the user's budget, the measured peak and the
+smallest budget that would measure within (never a lowered budget, which may be zero
+or less). A plan measured further than :data:`PREDICTION_TOLERANCE` from its prediction
+tells ``solve()`` that a *cached* profile no longer describes the model
+(:func:`off_prediction`; :mod:`remat.profile_cache`).
 """
 
 from __future__ import annotations
@@ -28,11 +35,15 @@ from remat.measurement.runner import LossFn
 from remat.measurement.step import StepMeasurement, measure_step
 from remat.runtime import apply_plan, remove_plan
 
-__all__ = ["BudgetNotMetError", "measure_plan", "verified"]
+__all__ = ["PREDICTION_TOLERANCE", "BudgetNotMetError", "measure_plan", "off_prediction",
+           "verified"]
 
 log = logging.getLogger("remat")
 
 DEFAULT_ROUNDS = 3
+# How far a measured step may be from its prediction, as a share of the prediction: what
+# the tests hold simulate() to against the higher of the two instruments (1%).
+PREDICTION_TOLERANCE = 0.01
 
 
 class BudgetNotMetError(RematError):
@@ -60,6 +71,15 @@ def measure_plan(
                             warmup=0, repeats=1, allocator=True, steps=steps)
     finally:
         remove_plan(model)
+
+
+def off_prediction(plan: Plan, measured: StepMeasurement) -> bool:
+    """Whether ``measured`` (the higher instrument) is further from ``plan``'s predicted
+    peak than :data:`PREDICTION_TOLERANCE` allows, either way."""
+    predicted = plan.record.predicted_peak_bytes
+    if not predicted:
+        return False
+    return abs(measured.worst_peak_bytes - predicted) > PREDICTION_TOLERANCE * predicted
 
 
 def verified(
@@ -107,16 +127,20 @@ def verified(
         excess = peak - budget_bytes
         target -= excess
         log.warning("remat: round %d's plan measured %s, %s over the budget (predicted %s); "
-                    "solving again for %s", round_, format_bytes(peak), format_bytes(excess),
-                    format_bytes(plan.record.predicted_peak_bytes or 0), format_bytes(target))
+                    "solving again for %s below the budget", round_, format_bytes(peak),
+                    format_bytes(excess), format_bytes(plan.record.predicted_peak_bytes or 0),
+                    format_bytes(budget_bytes - target))
         try:
-            plan = solve_at(target)
+            # A budget of zero or less is no budget; solving for one byte, which no plan
+            # reaches, still tells the smallest peak for the error below.
+            plan = solve_at(max(target, 1))
         except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(
                 budget_bytes, err.min_feasible_bytes + (budget_bytes - target),
-                f"The plans' measured peaks run {format_bytes(budget_bytes - target)} above "
-                "their predictions on this model, so the smallest budget that measures "
-                "within is about that much above the smallest predicted peak",
+                f"Round {round_}'s plan measured {format_bytes(peak)}; the plans' measured "
+                f"peaks run {format_bytes(budget_bytes - target)} above their predictions on "
+                "this model, so the smallest budget that measures within is about that much "
+                "above the smallest predicted peak",
                 peak_event=err.peak_event, peak_parts=err.peak_parts,
             ) from None
     raise BudgetNotMetError(
