@@ -22,8 +22,8 @@ solver's (exact first: :mod:`remat.solver.heads`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from torch import nn

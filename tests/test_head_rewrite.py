@@ -9,7 +9,6 @@ where it is not, the profile says why and the plan keeps the head as written.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 

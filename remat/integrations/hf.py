@@ -40,11 +40,10 @@ refuses it (an :class:`~remat.integrations.common.IntegrationError`).
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import inspect
+import logging
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
