@@ -17,6 +17,11 @@ verification), on models that appear nowhere else in the repository:
   Qwen2, output dropped, AdamW over the adapters;
 - ``bart-drop-output``: BART in a loop that drops the output (its decoder head adds
   ``final_logits_bias`` to the logits before its loss);
+- ``hf-convnext-blocks``: ``transformers`` ConvNeXt-T image classifier with its 18 blocks
+  as the units (``units=ConvNextLayer``): the downsampling layers between its stages are
+  no units, so the units are not a chain;
+- ``hf-swin-blocks``: ``transformers`` Swin-T with its 12 blocks as the units (patch
+  merging between the stages);
 - ``densenet``: a DenseNet written to torchvision's layout (``features`` with dense
   blocks whose layers each take the concatenation of every earlier layer's output,
   transitions between them; BatchNorm), cross entropy; ``densenet-auto``: the same
@@ -118,6 +123,28 @@ def _bart_drop_output() -> Case:
     case = _bart()
     case.loop = remat.Loop(keep_output=False)
     return case
+def _hf_convnext_blocks() -> Case:
+    import transformers
+    from transformers.models.convnext.modeling_convnext import ConvNextLayer
+
+    torch.manual_seed(0)
+    config = transformers.ConvNextConfig(depths=[3, 3, 9, 3], hidden_sizes=[96, 192, 384, 768],
+                                         num_labels=10)
+    model = transformers.ConvNextForImageClassification(config).train()
+    batch = {"pixel_values": torch.randn(2, 3, 224, 224), "labels": torch.randint(0, 10, (2,))}
+    return Case(model, batch, None, remat.Loop(), profile_options={"units": ConvNextLayer})
+
+
+def _hf_swin_blocks() -> Case:
+    import transformers
+    from transformers.models.swin.modeling_swin import SwinLayer
+
+    torch.manual_seed(0)
+    config = transformers.SwinConfig(embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24],
+                                     image_size=224, window_size=7, num_labels=10)
+    model = transformers.SwinForImageClassification(config).train()
+    batch = {"pixel_values": torch.randn(2, 3, 224, 224), "labels": torch.randint(0, 10, (2,))}
+    return Case(model, batch, None, remat.Loop(), profile_options={"units": SwinLayer})
 
 
 class _DenseLayer(nn.Module):
@@ -204,6 +231,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "mixtral-moe-trainer": _mixtral_moe_trainer,
     "qwen2-lora": _qwen2_lora,
     "bart-drop-output": _bart_drop_output,
+    "hf-convnext-blocks": _hf_convnext_blocks,
+    "hf-swin-blocks": _hf_swin_blocks,
     "densenet": _densenet,
     "densenet-auto": _densenet_children,
 }

@@ -162,6 +162,9 @@ def _unit_profile(
         autocast_cache_bytes=max(f.forward_cache_bytes for f in figures.values()),
         param_signature=unit_signature(module),
         input_grad_kept_until=in_step.input_grad_kept_until,
+        before_held_bytes=in_step.before_held_bytes,
+        before_fwd_peak_bytes=in_step.before_fwd_peak_bytes,
+        before_bwd_peak_bytes=in_step.before_bwd_peak_bytes,
     )
 
 
@@ -191,10 +194,11 @@ def build_profile(
     kept = m.inputs_kept_by_caller or [False] * len(m.units)
     steps = m.steps or StepPlaces(tuple({} for _ in m.units), base.suffix.bwd_peak_bytes,
                                   base.prefix.bwd_peak_bytes)
+    before = m.grads.before_units or (0,) * len(m.units)
     units = [
         replace(_unit_profile(name, module, in_step[i], m.figures[name], m.timings[name],
                               m.grads.units[i], steps.units[i]),
-                input_kept_by_caller=kept[i])
+                input_kept_by_caller=kept[i], before_param_grad_bytes=before[i])
         for i, (name, module) in enumerate(m.units)
     ]
     outside = m.outside

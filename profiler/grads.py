@@ -1,8 +1,10 @@
 """Where each parameter's gradient is first allocated in the backward pass.
 
 A parameter's gradient bytes are counted at the backward phase that first contributes
-to it: the suffix's (the head), a unit's, or the prefix's (the code between units off a
-chain counts with the prefix, as in ``simulate()``). The outside step (:mod:`.instrument`)
+to it: the suffix's (the head), a unit's, the prefix's, or off a chain the code's
+between two units (a downsampling layer's, counted from its backward on: each unit's
+``before_param_grad_bytes``; on a chain such a phase has no code, and what would land
+there counts with the prefix). The outside step (:mod:`.instrument`)
 sees the outside code's parameters and the phase of their first contribution; its units
 are stubs, so the units' parameters are theirs: the parameters a unit owns and any other
 its replay gave a gradient. A parameter used in two phases (a unit's parameter the
@@ -38,12 +40,14 @@ __all__ = ["GradPlaces", "StepPlaces", "place_grads", "place_steps"]
 @dataclass(frozen=True)
 class GradPlaces:
     """Parameter-gradient bytes per place: the units (in order), the suffix, the prefix,
-    and those summed across phases (``in_flight_bytes``)."""
+    those summed across phases (``in_flight_bytes``) and, per unit, the code's before it
+    off a chain (``before_units``: 0 for unit 0, whose code is the prefix)."""
 
     units: tuple[int, ...]
     suffix_bytes: int
     prefix_bytes: int
     in_flight_bytes: int
+    before_units: tuple[int, ...] = ()
 
 
 def _position(phase: Phase, n: int) -> int:
@@ -85,6 +89,8 @@ def place_grads(
     units: Sequence[nn.Module],
     outside: Iterable[ParamGrad],
     trained_by_unit: Mapping[int, frozenset[int]],
+    *,
+    is_chain: bool = True,
 ) -> GradPlaces:
     """Gradient bytes per place (see the module docstring).
 
@@ -95,10 +101,13 @@ def place_grads(
         trained_by_unit: per unit index, the ids of the parameters its own replay gave a
             gradient (units measured through a twin are absent: their own parameters
             stand for it).
+        is_chain: whether the units are a chain (off one, the code between units has
+            gradients of its own place).
     """
     n = len(units)
     nbytes, uses, in_flight = _uses(params, units, outside, trained_by_unit)
     per_unit = [0] * n
+    before = [0] * n
     suffix = prefix = extra = 0
     for pid, positions in uses.items():
         first = min(positions)
@@ -106,11 +115,13 @@ def place_grads(
             suffix += nbytes[pid]
         elif first % 2 == 1:
             per_unit[n - 1 - (first - 1) // 2] += nbytes[pid]
+        elif (after := n - 1 - (first - 2) // 2) > 0 and not is_chain:
+            before[after] += nbytes[pid]  # after unit `after`'s backward: the code before it
         else:
             prefix += nbytes[pid]
         if pid in in_flight or len(positions) > 1:
             extra += nbytes[pid]
-    return GradPlaces(tuple(per_unit), suffix, prefix, extra)
+    return GradPlaces(tuple(per_unit), suffix, prefix, extra, tuple(before))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ Figures are then read off the per-storage timeline, so that ``simulate()`` addin
 them to the units' isolated figures reproduces the step. In particular
 ``held_bytes`` of the prefix/suffix are the storages that code allocated and that
 are still alive when the forward pass ends; off a chain, what the code between
-units holds is folded into the prefix's ``held_bytes``.
+units holds is the next unit's ``before_held_bytes``, and that code's peaks and
+parameter gradients are its too (:class:`UnitInStep`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class UnitInStep:
         input_grad_kept_until: off a chain, the unit through whose backward the code
             before this one kept its input's gradient (``-1``: the prefix); ``None``:
             consumed at once (``UnitProfile.input_grad_kept_until``).
+        before_held_bytes, before_fwd_peak_bytes, before_bwd_peak_bytes: off a chain,
+            the code between the previous unit and this one: what it holds for backward,
+            its forward peak above the previous unit's end less that, and its backward
+            peak above this unit's input gradient being ready
+            (``UnitProfile.before_held_bytes``...); 0 for the first unit and on a chain.
     """
 
     input_bytes: int
@@ -112,6 +118,9 @@ class UnitInStep:
     output_held_outside: bool
     input_is_prev_output: bool
     input_grad_kept_until: int | None = None
+    before_held_bytes: int = 0
+    before_fwd_peak_bytes: int = 0
+    before_bwd_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -489,11 +498,16 @@ def _figures(
     prefix_held = meter.alive_bytes(F, born_until=first.fwd_start.tick,
                                     exclude=[first.input_record, *modelled])
     prefix_held += meter.hidden_held(w.start.index, first.fwd_start.index)
-    for u, nxt in zip(units, units[1:]):  # code between units (none on a chain): the prefix's
-        prefix_held += meter.alive_bytes(F, born_after=u.fwd_end.tick,
-                                         born_until=nxt.fwd_start.tick,
-                                         exclude=[nxt.input_record, *modelled])
-        prefix_held += meter.hidden_held(u.fwd_end.index, nxt.fwd_start.index)
+    # Per unit, what the code before it holds until its backward, and all it holds (unit
+    # 0's: the prefix's). On a chain there is no such code: what a gap between units
+    # leaves is the prefix's.
+    between_held, between_alive = [0], [0]
+    for u, nxt in zip(units, units[1:]):
+        held, to_end = _held_between(w, u, nxt, [nxt.input_record, *modelled])
+        held, to_end = (0, held + to_end) if is_chain else (held, to_end)
+        between_held.append(held)
+        between_alive.append(held + to_end)
+        prefix_held += to_end
     suffix_held = meter.alive_bytes(F, born_after=last.fwd_end.tick, born_until=F,
                                     exclude=modelled)
     suffix_held += meter.hidden_held(last.fwd_end.index, w.forward_end.index)
@@ -577,6 +591,9 @@ def _figures(
             input_grad_kept_until=(None if is_chain or input_shared
                                    else _input_grad_kept_until(w, u)),
         )
+        if not is_chain and i > 0:
+            in_step = replace(in_step, **_code_before(w, i, between_held[i],
+                                                      between_alive[i]))
         records.append(in_step)
 
     # -- wall time of the outside phases (under instrumentation: proportions only) ----
@@ -610,6 +627,47 @@ def _figures(
     log.debug("outside step: held after forward %d B, peak %d B",
               step.held_after_forward_bytes, step.peak_bytes)
     return step
+
+
+def _held_between(w: _StepWatch, u: _UnitWatch, nxt: _UnitWatch,
+                  exclude: list[int | None]) -> tuple[int, int]:
+    """What the code between units ``u`` and ``nxt`` holds at the end of the forward pass:
+    the bytes it let go before ``u``'s backward started (in its own backward, which
+    ``simulate()`` places there), and the rest, which counts with the prefix's to the end
+    of the step (a storage nothing frees before then, and those the allocator alone saw,
+    whose deaths are not known)."""
+    meter, forward_end = w.meter, w.forward_end.tick
+    skip = {r for r in exclude if r is not None}
+    freed = meter.alive_bytes(forward_end, born_after=u.fwd_end.tick,
+                              born_until=nxt.fwd_start.tick, exclude=skip)
+    by = u.bwd_start.tick if u.bwd_start is not None else None
+    held = sum(r.nbytes for k, r in enumerate(meter.records)
+               if k not in skip and u.fwd_end.tick < r.born <= nxt.fwd_start.tick
+               and r.alive_at(forward_end) and by is not None and r.died is not None
+               and r.died <= by)
+    return held, freed - held + meter.hidden_held(u.fwd_end.index, nxt.fwd_start.index)
+
+
+def _code_before(w: _StepWatch, i: int, held: int, alive: int) -> dict[str, int]:
+    """Off a chain, the figures of the code between units i-1 and i
+    (``UnitInStep.before_held_bytes``, ``before_fwd_peak_bytes``, ``before_bwd_peak_bytes``).
+
+    Forward: its rise from unit i-1's end to unit i's start, less the bytes it leaves
+    alive (``alive``), which ``simulate()`` counts before its forward event: the ``held``
+    ones from just before it, the rest with the prefix's from the start of the step.
+    Backward: its rise from unit i's input gradient being ready to unit i-1's output
+    gradient being ready (its parameters' gradients made in between, unit i's input
+    gradient let go); 0 where those come the other way round (nothing runs between
+    them, or the code is no link of the two: a concatenation's backward).
+    """
+    meter, prev, u = w.meter, w.units[i - 1], w.units[i]
+    fwd = max(meter.rise(prev.fwd_end.index, u.fwd_start.index) - alive, 0)
+    bwd = 0
+    start, end = u.bwd_end, prev.bwd_start
+    if start is not None and end is not None and start.index < end.index:
+        bwd = max(meter.rise(start.index, end.index), 0)
+    return {"before_held_bytes": held, "before_fwd_peak_bytes": fwd,
+            "before_bwd_peak_bytes": bwd}
 
 
 def _input_grad_kept_until(w: _StepWatch, u: _UnitWatch) -> int | None:

@@ -120,7 +120,7 @@ def _measure(
             optimizer_state_bytes=first.optimizer_state_bytes,
             optimizer_step_peak_bytes=first.optimizer_step_peak_bytes,
             param_step_peaks=first.param_step_peaks, param_steps=first.param_steps)
-    grads = place_grads(state.params, modules, step.param_grads, trained)
+    grads = place_grads(state.params, modules, step.param_grads, trained, is_chain=is_chain)
     steps = place_steps(state.params, modules, step.param_grads, trained,
                         times.param_step_peaks, unit_figures=unit_figures,
                         suffix_peak=max(step.suffix.bwd_peak_bytes, 0),

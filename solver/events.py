@@ -38,7 +38,11 @@ multi-unit segment ``a..b`` is one move from
 next ``p`` = 0) whose forward, recompute and backward events are
 ``A_a + (constant of a and b)``; :func:`build_model` derives those constants with
 prefix sums. Off a chain every unit's input and output are boundaries of their own,
-``p`` is always 0 and segments do not exist.
+``p`` is always 0 and segments do not exist. There the code between units ``i`` and
+``i+1`` (a downsampling layer between stages) has a forward event after unit ``i``'s,
+``A_i + C_{i+1} + in_i + o.held + out_i + (its forward peak)``, and a backward event once
+unit ``i+1``'s backward is done, ``A_{i+1} + (a constant)``: unit ``i``'s and unit
+``i+1``'s moves carry them, and its parameter gradients are in ``D`` from then on.
 
 Need-to-go
 ----------
@@ -123,6 +127,8 @@ class StepModel:
             keeps, earlier autocast casts, shared tensors born).
         suffix_bwd_const: the same at the suffix's backward.
         bwd_const: per unit ``i``, ``D_i``.
+        after_fwd_const, before_bwd_const: per unit ``i``, off a chain, the events of
+            the code between units around it (0: none; :func:`_between_constants`).
         seg_last: per unit ``a``, the last unit a segment starting at ``a`` may reach
             (``a`` itself when no segment starts there).
         seg_inc: per unit ``a``, ``ckpt.held_a + in_a``: what a segment adds to ``A``.
@@ -146,6 +152,8 @@ class StepModel:
     fwd_const: tuple[int, ...]
     suffix_bwd_const: int
     bwd_const: tuple[int, ...]
+    after_fwd_const: tuple[int, ...]
+    before_bwd_const: tuple[int, ...]
     seg_last: IntArray
     seg_inc: IntArray
     seg_rec_need: IntArray
@@ -184,6 +192,8 @@ def _fwd_constants(profile: Profile) -> tuple[int, ...]:
     born = [0] * (profile.n + 1)  # shared bytes first alive at unit i's forward
     for t in profile.shared:
         born[t.born_after + 1] += t.nbytes
+    for i, unit in enumerate(profile.units):  # what the code before unit i holds, off a chain
+        born[i] += unit.before_held_bytes
     c = (profile.fixed_bytes + profile.prefix.held_bytes + profile.carried_bytes
          + _param_grads_at_start(profile))
     out = []
@@ -252,7 +262,8 @@ def _suffix_bwd_const(profile: Profile) -> int:
     chain the last unit's output is the end's own term, see :func:`_end_need`)."""
     kept = 0 if profile.is_chain else profile.kept_last_output_bytes
     return (profile.fixed_bytes + profile.prefix.held_bytes + profile.output_bytes + kept
-            + _param_grads_at_start(profile) + sum(t.nbytes for t in profile.shared))
+            + _param_grads_at_start(profile) + sum(t.nbytes for t in profile.shared)
+            + sum(u.before_held_bytes for u in profile.units))
 
 
 def _bwd_constants(profile: Profile) -> tuple[int, ...]:
@@ -272,16 +283,55 @@ def _bwd_constants(profile: Profile) -> tuple[int, ...]:
     accumulates = not at_start and not profile.optimizer_in_backward
     later_pgrad = (profile.grad_bytes if at_start
                    else profile.suffix.param_grad_bytes if accumulates else 0)
+    # What the code between units holds until its backward: the code before units <= i
+    # (it runs its backward after theirs).
+    between_held = np.cumsum([u.before_held_bytes for u in units]).tolist()
     out: list[int] = [0] * n
     for i in range(n - 1, -1, -1):
         if profile.is_chain and i < n - 1:
             grad_out = units[i + 1].input_grad_bytes
         else:
             grad_out = units[i].output_bytes
-        out[i] = base + later_pgrad + grad_out + shared[i] + shared_grads[i] + kept_grads[i]
+        out[i] = (base + later_pgrad + grad_out + shared[i] + shared_grads[i] + kept_grads[i]
+                  + between_held[i])
         if accumulates:
-            later_pgrad += units[i].param_grad_bytes
+            later_pgrad += units[i].param_grad_bytes + units[i].before_param_grad_bytes
     return tuple(out)
+
+
+def _between_constants(profile: Profile, c: tuple[int, ...], d: tuple[int, ...]
+                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Off a chain, the events of the code between two units (0 where there is none).
+
+    Per unit i, ``after_fwd[i]``: the forward of the code between unit i and i+1 minus
+    ``A_i`` and unit i's ``held_bytes`` (its input and output counted alive); and
+    ``before_bwd[i]``: the backward of the code between unit i-1 and i minus ``A_i``.
+    That one runs once unit i's backward is done: ``D_i`` less the output's gradient,
+    plus the input's gradient, the unit's parameter gradients (where they accumulate),
+    the shared tensors' gradients its backward completed, and its input while the code
+    before it holds it. No option of unit i changes it: the unit has let go of all it
+    held by then.
+    """
+    n = profile.n
+    after_fwd, before_bwd = [0] * n, [0] * n
+    if profile.is_chain:
+        return tuple(after_fwd), tuple(before_bwd)
+    accumulates = not profile.grads_alive_at_start and not profile.optimizer_in_backward
+    made = [0] * n
+    for t in profile.shared:
+        if t.grad_bytes and t.last_user > t.born_after:
+            made[t.last_user] += t.grad_bytes
+    units = profile.units
+    for i, unit in enumerate(units):
+        if i < n - 1 and units[i + 1].before_fwd_peak_bytes:
+            after_fwd[i] = (c[i + 1] + unit.input_bytes + unit.output_bytes
+                            + units[i + 1].before_fwd_peak_bytes)
+        if i > 0 and unit.before_bwd_peak_bytes:
+            before_bwd[i] = (d[i] - unit.output_bytes + unit.input_grad_bytes
+                             + (unit.param_grad_bytes if accumulates else 0) + made[i]
+                             + (unit.input_bytes if unit.input_held_outside else 0)
+                             + unit.before_bwd_peak_bytes)
+    return tuple(after_fwd), tuple(before_bwd)
 
 
 def _floor_bytes(profile: Profile) -> int:
@@ -342,8 +392,11 @@ def _chain_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
     return tuple(moves)
 
 
-def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
-    """Unit i's moves off a chain: its input and output are its own boundaries."""
+def _free_moves(profile: Profile, i: int, c: int, d: int, after_fwd: int = 0,
+                before_bwd: int = 0) -> tuple[Move, ...]:
+    """Unit i's moves off a chain: its input and output are its own boundaries. The
+    events of the code around it (``after_fwd``, ``before_bwd``: see
+    :func:`_between_constants`) are its moves' too."""
     unit = profile.units[i]
     moves = []
     for option in OPTION_ORDER:
@@ -364,8 +417,9 @@ def _free_moves(profile: Profile, i: int, c: int, d: int) -> tuple[Move, ...]:
             + profile.bwd_peak(o)
             + d
         )
-        moves.append(Move(option, 0, o.held_bytes + held_in + held_out, max(fwd, bwd), 0,
-                          o.extra_ms))
+        between = max(o.held_bytes + after_fwd if after_fwd else 0, before_bwd)
+        moves.append(Move(option, 0, o.held_bytes + held_in + held_out,
+                          max(fwd, bwd, between), 0, o.extra_ms))
     return tuple(moves)
 
 
@@ -479,8 +533,12 @@ def build_model(profile: Profile) -> StepModel:
     """Reduce ``profile`` to per-unit moves and segment tables (uncached: see step_model)."""
     c = _fwd_constants(profile)
     d = _bwd_constants(profile)
-    make_moves = _chain_moves if profile.is_chain else _free_moves
-    moves = tuple(make_moves(profile, i, c[i], d[i]) for i in range(profile.n))
+    after_fwd, before_bwd = _between_constants(profile, c, d)
+    if profile.is_chain:
+        moves = tuple(_chain_moves(profile, i, c[i], d[i]) for i in range(profile.n))
+    else:
+        moves = tuple(_free_moves(profile, i, c[i], d[i], after_fwd[i], before_bwd[i])
+                      for i in range(profile.n))
     seg_last = _segment_runs(profile)
     fwd_need, rec_need, bwd_need = _segment_needs(profile, c, d, seg_last)
     ck_ms = [
@@ -508,6 +566,8 @@ def build_model(profile: Profile) -> StepModel:
         fwd_const=c,
         suffix_bwd_const=suffix_bwd,
         bwd_const=d,
+        after_fwd_const=after_fwd,
+        before_bwd_const=before_bwd,
         seg_last=seg_last,
         seg_inc=seg_inc,
         seg_rec_need=rec_need,

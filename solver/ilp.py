@@ -269,6 +269,21 @@ def _backward_events(
         m.add(v.held_before[i] + held_in + sum(terms) <= budget)
 
 
+def _between_events(
+    m: cp_model.CpModel, profile: Profile, model: StepModel, v: _Vars, budget: int
+) -> None:
+    """Off a chain, the code between two units: its forward after unit i's,
+    ``A_i + held_i + (constant)``, and its backward once unit i's is done, ``A_i +
+    (constant)`` (:func:`remat.solver.events._between_constants`)."""
+    for i, unit in enumerate(profile.units):
+        after = model.after_fwd_const[i]
+        if after:
+            held = sum(cost.held_bytes * v.opt[i, o] for o, cost in unit.options.items())
+            m.add(v.held_before[i] + held + after <= budget)
+        if model.before_bwd_const[i]:
+            m.add(v.held_before[i] + model.before_bwd_const[i] <= budget)
+
+
 def _segment_event_family(
     m: cp_model.CpModel, v: _Vars, need: np.ndarray, budget: int
 ) -> None:
@@ -408,6 +423,7 @@ def build_cp_model(
     _held_recurrence(m, profile, v)
     _forward_events(m, profile, model, v, budget)
     _backward_events(m, profile, model, v, budget)
+    _between_events(m, profile, model, v, budget)
     _recompute_events(m, model, v, budget)
     _segment_backward_events(m, model, v, budget)
     _suffix_events(m, profile, model, v, budget)

@@ -41,6 +41,13 @@ The rules it encodes:
 * Off a chain, a unit's input gradient is consumed by the code before it at once,
   or, with ``input_grad_kept_until = k``, kept alive until unit k's backward is done
   (``-1``: the prefix's).
+* Off a chain, the code between units i-1 and i (unit i's ``before_*`` figures) runs
+  after unit i-1's forward: what it holds (``before_held_bytes``) is allocated then and
+  its forward peaks ``before_fwd_peak_bytes`` above that, unit i-1's input and output
+  still alive. Its backward runs once unit i's is done, with the unit's input gradient
+  alive, and peaks ``before_bwd_peak_bytes`` above that; then what it held is freed and
+  its parameter gradients (``before_param_grad_bytes``) are live. No event where a peak
+  is 0.
 * A loop that steps the optimizer in backward (``loop.optimizer_in_backward``)
   frees every parameter gradient right after the backward phase that made it (its
   step ran in a hook as it was complete), so none accumulates to the end of the
@@ -288,8 +295,11 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
             grad_used[k] = grad_used.get(k, 0) + unit.input_grad_bytes - part
 
     def after_backward(k: int) -> None:
-        """What changes once unit k's backward is done, beyond the unit itself."""
-        r.allocate_grad(grad_made.get(k, 0))
+        """What changes once unit k's backward is done, beyond the unit itself (off a
+        chain, the gradients it made are allocated with the code before it: see
+        _backward_before)."""
+        if chain:
+            r.allocate_grad(grad_made.get(k, 0))
         r.free_grad(grad_used.get(k, 0))
 
     # Boundary keys. On a chain "b{i}" is unit i's input and "b{i+1}" its output;
@@ -335,6 +345,13 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
         r.allocate(unit.autocast_cache_bytes)
         r.allocate(sum(shared_born.get(i, ())))
         r.create_boundary(out_key(i), unit.output_bytes, out_holders(i))
+        if not chain and i < n - 1:
+            # The code between this unit and the next runs on this unit's output, with
+            # its input not yet let go, and holds what it saves until its backward.
+            between = units[i + 1]
+            r.allocate(between.before_held_bytes)
+            if between.before_fwd_peak_bytes:
+                r.event(f"forward before {between.name}", between.before_fwd_peak_bytes)
         r.release_if_unheld(in_key(i))
         if not chain:
             r.release_if_unheld(out_key(i))
@@ -366,6 +383,8 @@ def simulate(profile: Profile, plan: Plan) -> Simulation:
         if seg is None:
             r.free_grad(grad_to_output.get(i, 0))
             _backward_unit(r, profile, i, cost[i], chain, in_key(i), out_key(i))
+            if not chain:
+                _backward_before(r, profile, i, in_key(i), grad_made.get(i, 0))
             if not chain and units[i].input_grad_kept_until is not None:
                 r.allocate_grad(units[i].input_grad_bytes)  # not let go yet: see above
             after_backward(i)
@@ -433,10 +452,25 @@ def _backward_unit(
     r.free_grad(_grad_out_bytes(profile, i, chain))
     r.allocate_grad(unit.input_grad_bytes)
     r.param_grad(unit.param_grad_bytes)
-    if not chain:
-        # The code before the unit consumes the input gradient and its own hold ends.
-        r.free_grad(unit.input_grad_bytes)
-        r.drop_holder(ik, "outside-in")
+
+
+def _backward_before(r: _Replay, profile: Profile, i: int, ik: str, grads_made: int) -> None:
+    """Off a chain, after unit i's backward: the code before it runs its backward on the
+    unit's input gradient (the code between two units; for unit 0 the prefix, whose event
+    comes at the end), which it consumes; what it held and its hold on the unit's input
+    end.
+
+    ``grads_made``: the shared tensors' gradients unit i's backward completed (alive
+    from now on). The code's parameter gradients are new bytes from its backward on.
+    """
+    unit = profile.units[i]
+    r.allocate_grad(grads_made)
+    if i > 0 and unit.before_bwd_peak_bytes:
+        r.event(f"backward before {unit.name}", unit.before_bwd_peak_bytes)
+    r.param_grad(unit.before_param_grad_bytes)
+    r.free(unit.before_held_bytes)
+    r.free_grad(unit.input_grad_bytes)
+    r.drop_holder(ik, "outside-in")
 
 
 def _backward_segment(

@@ -92,7 +92,7 @@ def activations_only(profile: Profile) -> Profile:
 
     reduced = replace(
         profile,
-        units=tuple(replace(u, param_grad_bytes=0, options={
+        units=tuple(replace(u, param_grad_bytes=0, before_param_grad_bytes=0, options={
             name: replace(cost, stepped_bwd_peak_bytes=None) for name, cost in u.options.items()})
             for u in profile.units),
         prefix=no_grads(profile.prefix),

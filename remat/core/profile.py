@@ -59,9 +59,10 @@ __all__ = [
 
 # 2: the loop, shared tensors, kept output, autocast caches; 3: no measured unplanned peak
 # (the profiler never runs the unplanned step: simulate() predicts it); 4: the head's
-# chunked variants (version 3 is read: it has none)
-SCHEMA_VERSION = 4
-_READABLE_VERSIONS = (3, 4)
+# chunked variants (version 3 is read: it has none); 5: the code between units off a chain
+# (``UnitProfile.before_*``; older versions read with none, as they were measured)
+SCHEMA_VERSION = 5
+_READABLE_VERSIONS = (3, 4, 5)
 
 # ``Profile.meta`` key: ``{unit class name: how many modules of that class the model had}``,
 # recorded by ``remat.profile()``; solved plans carry it (``PlanTarget.unit_type_counts``)
@@ -147,6 +148,17 @@ class UnitProfile:
         param_signature: ``"<parameter count>:<hash>"`` of the unit's parameters'
             names, shapes and dtypes (:mod:`remat.execute.structure`); plans carry it
             so that a model of another width is refused. ``None``: not recorded.
+        before_held_bytes, before_fwd_peak_bytes, before_bwd_peak_bytes,
+            before_param_grad_bytes: off a chain, the code between the previous unit and
+            this one (a downsampling layer between two stages of blocks); 0 for the first
+            unit (its code is the prefix) and on a chain (there is none). What it holds
+            from its forward to its backward (boundaries and shared tensors excluded, as
+            for the prefix); its forward peak above the live bytes when the previous
+            unit's forward is done, less what it holds; its backward peak above the live
+            bytes when this unit's backward is done (its input's gradient alive); and the
+            parameter-gradient bytes its backward first allocates. None of these is in
+            the prefix's figures. 0 peaks: no such code, or none that rises above its
+            start: no event.
     """
 
     name: str
@@ -164,6 +176,10 @@ class UnitProfile:
     input_kept_by_caller: bool = False
     param_signature: str | None = None
     input_grad_kept_until: int | None = None
+    before_held_bytes: int = 0
+    before_fwd_peak_bytes: int = 0
+    before_bwd_peak_bytes: int = 0
+    before_param_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         checked_str(self.name, "UnitProfile.name", ProfileError)
@@ -552,6 +568,13 @@ class Profile:
                 raise ProfileError(
                     f"Profile.units[{k}] must be a UnitProfile, got {type(unit).__name__}"
                 )
+            between = (unit.before_held_bytes, unit.before_fwd_peak_bytes,
+                       unit.before_bwd_peak_bytes, unit.before_param_grad_bytes)
+            if any(between) and (self.is_chain or k == 0):
+                raise ProfileError(
+                    f"unit {unit.name!r}: the before_* figures describe code between two "
+                    "units off a chain; they must be 0 on a chain and for the first unit "
+                    "(its code is the prefix)")
             kept = unit.input_grad_kept_until
             if kept is not None and (self.is_chain or not -1 <= kept < k):
                 raise ProfileError(
@@ -620,7 +643,7 @@ class Profile:
         return (
             self.prefix.param_grad_bytes
             + self.suffix.param_grad_bytes
-            + sum(u.param_grad_bytes for u in self.units)
+            + sum(u.param_grad_bytes + u.before_param_grad_bytes for u in self.units)
         )
 
     @property
@@ -831,7 +854,8 @@ class Profile:
 _OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 _OPTION_BOOLS = ("holds_input", "holds_output")
 _UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes",
-              "autocast_cache_bytes")
+              "autocast_cache_bytes", "before_held_bytes", "before_fwd_peak_bytes",
+              "before_bwd_peak_bytes", "before_param_grad_bytes")
 _VARIANT_INTS = ("loss_bytes", "output_bytes", "carried_bytes", "grad_in_flight_bytes")
 _HEAD_CACHE = "_remat_head_variants"
 _UNIT_BOOLS = ("input_held_outside", "output_held_outside", "input_kept_by_caller")

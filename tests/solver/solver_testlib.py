@@ -183,6 +183,12 @@ def profiles(
                 input_kept_by_caller=draw(st.sampled_from([False, False, True])),
                 input_grad_kept_until=None if is_chain else draw(
                     st.sampled_from([None, None, *range(-1, i)])),
+                # Off a chain, the code between this unit and the previous one.
+                **({} if is_chain or i == 0 else {
+                    name: draw(st.sampled_from([0, 0, draw(_bytes)]))
+                    for name in ("before_held_bytes", "before_fwd_peak_bytes",
+                                 "before_bwd_peak_bytes",
+                                 "before_param_grad_bytes")}),
             )
         )
     outside = st.builds(

@@ -16,6 +16,8 @@ held boundaries), ``D_i`` the gradient bytes alive at unit i's backward
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from solver_testlib import CKPT, KEEP, SEL, brute_force, brute_min_peak, cost, unit
 
@@ -174,3 +176,44 @@ def test_segment_heuristics_fall_back_to_per_unit_checkpoint_off_a_chain() -> No
         assert plan.segments == ()
     # uniform k=3 on 3 units checkpoints the first two, one at a time.
     assert uniform_plan(FREE, k=3).options == (CKPT, CKPT, KEEP)
+
+
+# Off a chain with code between the two units (a downsampling layer between two stages):
+# both units keep 100 B and their input (10 B) or checkpoint (hold the input, recompute
+# 100 B, 5 ms); outputs of 10 B are held by nobody. The code's backward peaks 200 B above
+# what is alive once u1's backward is done (A_1 alone: u1 let go of all it held), its
+# parameter gradients (150 B) stay to the end, and its forward peaks 250 B above u0's end
+# (u0's input, held bytes and output alive):
+#   backward before u1 : A_1 + 200     keep, keep: 310      ckpt, keep: 10 + 200 = 210
+#   backward u0        : A_0 + held + in + 150 + 10 (output gradient) + bwd peak:
+#                        keep: 270, ckpt: 10 + 150 + 10 + 100 = 270
+#   forward before u1  : A_0 + in + held + out + 250   keep: 370   ckpt: 270
+#   the others         : at most 230 (u1's backward under keep, after keep)
+def _off_chain(bwd: int = 0, grads: int = 0, fwd: int = 0) -> Profile:
+    u0 = _u("u0", {KEEP: cost(100), CKPT: cost(0, bwd=100, ms=5.0)})
+    u1 = _u("u1", {KEEP: cost(100), CKPT: cost(0, bwd=100, ms=5.0)})
+    u1 = replace(u1, before_bwd_peak_bytes=bwd, before_param_grad_bytes=grads,
+                 before_fwd_peak_bytes=fwd)
+    return Profile(units=(u0, u1), is_chain=False, step_ms=100.0)
+
+
+@pytest.mark.parametrize("solve", SOLVERS)
+@pytest.mark.parametrize(
+    ("profile", "keep_peak", "keep_event", "min_peak"),
+    [
+        (_off_chain(bwd=200), 310, "backward before u1", 210),
+        (_off_chain(bwd=200, grads=150), 310, "backward before u1", 270),
+        (_off_chain(fwd=250), 370, "forward before u1", 270),
+    ],
+)
+def test_code_between_units_off_a_chain(solve, profile: Profile, keep_peak: int,
+                                        keep_event: str, min_peak: int) -> None:
+    kept = simulate(profile, Plan.from_options([u.name for u in profile.units], {}))
+    assert (kept.peak_bytes, kept.peak_event) == (keep_peak, keep_event)
+    assert min_peak_bytes(profile) == min_peak == brute_min_peak(profile)
+    # Below the no-checkpoint peak only checkpointing u0 lowers the code's events.
+    plan = solve(profile, keep_peak - 1)
+    assert plan.options == (CKPT, KEEP)
+    assert plan.record.predicted_peak_bytes == min_peak
+    assert brute_force(profile, keep_peak - 1)[0] == pytest.approx(105.0)
+    assert solve(profile, keep_peak).options == (KEEP, KEEP)
