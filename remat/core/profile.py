@@ -59,9 +59,11 @@ __all__ = [
 
 # 2: the loop, shared tensors, kept output, autocast caches; 3: no measured unplanned peak
 # (the profiler never runs the unplanned step: simulate() predicts it); 4: the head's
-# chunked variants (version 3 is read: it has none)
-SCHEMA_VERSION = 4
-_READABLE_VERSIONS = (3, 4)
+# chunked variants (version 3 is read: it has none); 5: what a checkpoint region's
+# recomputation holds besides the units' forwards (recompute_rng_bytes, a unit's
+# recompute_state_bytes; older versions read as 0)
+SCHEMA_VERSION = 5
+_READABLE_VERSIONS = (3, 4, 5)
 
 # ``Profile.meta`` key: ``{unit class name: how many modules of that class the model had}``,
 # recorded by ``remat.profile()``; solved plans carry it (``PlanTarget.unit_type_counts``)
@@ -147,6 +149,12 @@ class UnitProfile:
         param_signature: ``"<parameter count>:<hash>"`` of the unit's parameters'
             names, shapes and dtypes (:mod:`remat.execute.structure`); plans carry it
             so that a model of another width is refused. ``None``: not recorded.
+        recompute_state_bytes: what a checkpoint region recomputing this unit holds for
+            it besides its forward, from the start of the region's recomputation to its
+            end: the copies of its BatchNorm running statistics that are written back
+            after it (:func:`remat.execute.options.frozen_batchnorm_stats`). Inside the
+            ``checkpoint`` option's own ``bwd_peak_bytes``; a multi-unit segment, which
+            recomputes with ``keep`` costs, adds it for each of its units.
     """
 
     name: str
@@ -164,6 +172,7 @@ class UnitProfile:
     input_kept_by_caller: bool = False
     param_signature: str | None = None
     input_grad_kept_until: int | None = None
+    recompute_state_bytes: int = 0
 
     def __post_init__(self) -> None:
         checked_str(self.name, "UnitProfile.name", ProfileError)
@@ -496,6 +505,11 @@ class Profile:
         head: the output head remat can chunk, and what each chunk count measured
             (:class:`HeadProfile`); ``None`` when it recognised none or was not asked to
             measure it. A plan choosing a chunk count is costed on :meth:`with_head`.
+        recompute_rng_bytes: the RNG state torch's checkpoint stashes while a region
+            recomputes (``torch.random.fork_rng``), once per region, as measured on the
+            profile's device (the CPU generator's state on CPU; a GPU's states are
+            host tensors, so 0 there). Inside the ``checkpoint`` option's own
+            ``bwd_peak_bytes``; a multi-unit segment adds it to its recomputation.
 
     Every byte figure here and in the units is an int in ``[0, MAX_BYTES]``, every
     time a finite float in ``[0, MAX_MS]`` milliseconds; anything else (a string,
@@ -526,6 +540,7 @@ class Profile:
     batch_bytes: int = 0
     coverage: float | None = None
     head: HeadProfile | None = None
+    recompute_rng_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", checked_list(self.units, "Profile.units", ProfileError))
@@ -831,7 +846,7 @@ class Profile:
 _OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 _OPTION_BOOLS = ("holds_input", "holds_output")
 _UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes",
-              "autocast_cache_bytes")
+              "autocast_cache_bytes", "recompute_state_bytes")
 _VARIANT_INTS = ("loss_bytes", "output_bytes", "carried_bytes", "grad_in_flight_bytes")
 _HEAD_CACHE = "_remat_head_variants"
 _UNIT_BOOLS = ("input_held_outside", "output_held_outside", "input_kept_by_caller")
@@ -846,6 +861,7 @@ _PROFILE_INTS = (
     "carried_bytes",
     "grad_in_flight_bytes",
     "batch_bytes",
+    "recompute_rng_bytes",
 )
 
 
