@@ -64,6 +64,10 @@ class Measurements:
     batch_bytes: int = 0
     inputs_kept_by_caller: list[bool] = field(default_factory=list)
     steps: StepPlaces | None = None  # backward peaks when stepping in backward, per place
+    # What a checkpoint region's recomputation holds besides the units' forwards: per
+    # unit (execution order) its BatchNorm statistics' copies, and torch's RNG stash.
+    recompute_state_bytes: list[int] = field(default_factory=list)
+    recompute_rng_bytes: int = 0
 
 
 def input_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
@@ -192,13 +196,15 @@ def build_profile(
         base.units, [m.figures[n][Option.KEEP].holds_input for n, _ in m.units], m.chain.is_chain
     )
     kept = m.inputs_kept_by_caller or [False] * len(m.units)
+    stashed = m.recompute_state_bytes or [0] * len(m.units)
     steps = m.steps or StepPlaces(tuple({} for _ in m.units), base.suffix.bwd_peak_bytes,
                                   base.prefix.bwd_peak_bytes)
     before = m.grads.before_units or (0,) * len(m.units)
     units = [
         replace(_unit_profile(name, module, in_step[i], m.figures[name], m.timings[name],
                               m.grads.units[i], steps.units[i]),
-                input_kept_by_caller=kept[i], before_param_grad_bytes=before[i])
+                input_kept_by_caller=kept[i], before_param_grad_bytes=before[i],
+                recompute_state_bytes=stashed[i])
         for i, (name, module) in enumerate(m.units)
     ]
     outside = m.outside
@@ -240,6 +246,7 @@ def build_profile(
         loss_bytes=base.loss_bytes,
         optimizer_step_peak_bytes=outside.optimizer_step_peak_bytes,
         batch_bytes=m.batch_bytes,
+        recompute_rng_bytes=m.recompute_rng_bytes,
         step_ms=step_ms,
         device=str(device),
         dtype=dtype,

@@ -57,7 +57,9 @@ from remat.core.errors import DeviceMemoryError, ProfileError
 from remat.core.loop import Loop, loop_or_default
 from remat.core.option import Option
 from remat.core.profile import Profile
+from remat.execute.options import recompute_snapshot_bytes
 from remat.execute.planned import has_plan
+from remat.measurement.meter import MemoryMeter
 from remat.measurement.runner import LossFn, StepRunner, model_device
 from remat.measurement.state import ModelState, clear_grads, training_session
 from remat.measurement.storage import batch_bytes, fixed_bytes, storage_bytes
@@ -251,6 +253,15 @@ class _Settings:
     head: str = "auto"
 
 
+def _recompute_rng_bytes(device: torch.device) -> int:
+    """What torch's checkpoint stashes of the RNG state while a region recomputes
+    (``torch.random.fork_rng``), on the meter of ``device``'s type: the CPU generator's
+    state on CPU. A GPU's states are host tensors, which a GPU's meter does not count,
+    so the CPU stash alone is forked here."""
+    with MemoryMeter(device_type=device.type) as meter, torch.random.fork_rng(devices=[]):
+        return meter.live_bytes
+
+
 def _profile(
     model: nn.Module, sample_batch: Any, units: UnitsSpec, level: str, settings: _Settings
 ) -> tuple[Profile, UnitChoice]:
@@ -299,6 +310,8 @@ def _profile(
             measurer.check_some_option_runs()
             measurer.log_twins()
             ordered = [(name, trace.calls[name].module) for name in trace.order]
+            # In train mode, as the session runs the model: what recomputation snapshots.
+            stashed = [recompute_snapshot_bytes(module, device.type) for _, module in ordered]
             trained = {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
                        if name in measurer.trained}
             found = head_to_measure(settings.head, loop, runner, state, through_head_loss, found)
@@ -331,6 +344,8 @@ def _profile(
         loop=loop,
         batch_bytes=batch_bytes(sample_batch, device),
         inputs_kept_by_caller=trace.kept_by_caller if trace.chain.is_chain else [],
+        recompute_state_bytes=stashed,
+        recompute_rng_bytes=_recompute_rng_bytes(device),
     )
     seconds = time.perf_counter() - started
     result = build_profile(

@@ -463,12 +463,13 @@ def _segment_needs(
 
         forward k   : C_a + in_a + ckpt.fwd_a            (k = a)
                       c_a + C_k + in_k + ckpt.fwd_k      (k > a)
-        recompute k : c_a + D_b + Kpre(a, k) + [k>a]*in_k + keep.fwd_k
+        recompute k : c_a + D_b + S(a, b) + Kpre(a, k) + [k>a]*in_k + keep.fwd_k
         backward k  : c_a + D_k + Kpre(a, k) + kh_k + [k>a]*RH_k*in_k
                       + keep.holds_output_k*out_k + keep.bwd_k
 
-    with ``c_a = ckpt.held_a + in_a``. Prefix sums make ``Kpre`` O(1), running
-    maxima over k make each row one pass.
+    with ``c_a = ckpt.held_a + in_a`` and ``S(a, b)`` what the recomputation holds
+    throughout (the RNG stash and the units' ``recompute_state_bytes``). Prefix sums
+    make ``Kpre`` and ``S`` O(1), running maxima over k make each row one pass.
     """
     units = profile.units
     n = len(units)
@@ -492,6 +493,8 @@ def _segment_needs(
     rh[1:] = np.where(khout[:-1] | khin[1:], in_b[1:], 0)
     kh_cum = np.concatenate(([0], np.cumsum(kh)))
     rh_cum = np.concatenate(([0], np.cumsum(rh)))
+    st = np.array([u.recompute_state_bytes for u in units], dtype=np.int64)
+    st_cum = np.concatenate(([0], np.cumsum(st)))
 
     # Per-k terms, so that an event of segment a..b is (a's constant) + (k's term).
     cv = np.array(c[:n], dtype=np.int64)
@@ -510,7 +513,8 @@ def _segment_needs(
         fwd_first = int(cv[a]) + int(in_b[a]) + int(ck_fwd[a])
         fwd_need[a, ks] = np.maximum(fwd_first, c_a + np.maximum.accumulate(f_k[ks]))
         rec_inner = np.maximum(int(kfwd[a]), np.maximum.accumulate(r_k[ks]) - q_a)
-        rec_need[a, ks] = c_a + dv[ks] + rec_inner
+        stash = profile.recompute_rng_bytes + st_cum[a + 2 : last + 2] - st_cum[a]
+        rec_need[a, ks] = c_a + dv[ks] + stash + rec_inner
         bwd_first = c_a + int(dv[a] + kh[a] + (out_b[a] if khout[a] else 0) + kbwd[a])
         bwd_need[a, ks] = np.maximum(bwd_first, c_a - q_a + np.maximum.accumulate(s_k[ks]))
     return fwd_need, rec_need, bwd_need

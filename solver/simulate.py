@@ -18,7 +18,11 @@ The rules it encodes:
   nothing; only the segment's first input is held. At the backward of the
   segment's last unit the whole segment is recomputed with its ``keep`` costs,
   and its units then run their ``keep`` backward in reverse order, freeing the
-  recomputed activations as they go.
+  recomputed activations as they go. While it recomputes, the region also holds
+  what recomputation itself keeps (in a one-unit ``checkpoint``'s measured backward,
+  not in ``keep``'s figures): torch's stash of the RNG state
+  (``profile.recompute_rng_bytes``) and each unit's ``recompute_state_bytes``
+  (BatchNorm statistics written back after it).
 * A unit's backward peaks at ``live + bwd_peak_bytes`` of its option (in the loop's
   terms: :meth:`Profile.bwd_peak`). After it,
   what the unit held is freed, its output's gradient is consumed, and its input's
@@ -495,6 +499,11 @@ def _backward_segment(
             h.add(f"u{k - 1}")
         return h
 
+    # The region's recompute contexts are entered before its first unit and left after
+    # its last: torch's fork_rng stash and the BatchNorm statistics of every unit.
+    stash = profile.recompute_rng_bytes + sum(
+        units[k].recompute_state_bytes for k in range(a, b + 1))
+    r.allocate(stash)
     for k in range(a, b + 1):
         r.event(f"recompute {units[k].name}", keep[k].fwd_peak_bytes)
         r.allocate(keep[k].held_bytes)
@@ -502,6 +511,7 @@ def _backward_segment(
         if k > a:
             r.release_if_unheld(rkey(k))
     r.release_if_unheld(rkey(b + 1))  # the recomputed output, unless the unit saves it
+    r.free(stash)
     for k in range(b, a - 1, -1):
         r.event(f"backward {units[k].name}",
                 profile.bwd_peak(keep[k]))

@@ -60,7 +60,9 @@ __all__ = [
 # 2: the loop, shared tensors, kept output, autocast caches; 3: no measured unplanned peak
 # (the profiler never runs the unplanned step: simulate() predicts it); 4: the head's
 # chunked variants (version 3 is read: it has none); 5: the code between units off a chain
-# (``UnitProfile.before_*``; older versions read with none, as they were measured)
+# (``UnitProfile.before_*``) and what a checkpoint region's recomputation holds besides
+# the units' forwards (recompute_rng_bytes, a unit's recompute_state_bytes); older
+# versions read with none, as they were measured
 SCHEMA_VERSION = 5
 _READABLE_VERSIONS = (3, 4, 5)
 
@@ -159,6 +161,12 @@ class UnitProfile:
             parameter-gradient bytes its backward first allocates. None of these is in
             the prefix's figures. 0 peaks: no such code, or none that rises above its
             start: no event.
+        recompute_state_bytes: what a checkpoint region recomputing this unit holds for
+            it besides its forward, from the start of the region's recomputation to its
+            end: the copies of its BatchNorm running statistics that are written back
+            after it (:func:`remat.execute.options.frozen_batchnorm_stats`). Inside the
+            ``checkpoint`` option's own ``bwd_peak_bytes``; a multi-unit segment, which
+            recomputes with ``keep`` costs, adds it for each of its units.
     """
 
     name: str
@@ -180,6 +188,7 @@ class UnitProfile:
     before_fwd_peak_bytes: int = 0
     before_bwd_peak_bytes: int = 0
     before_param_grad_bytes: int = 0
+    recompute_state_bytes: int = 0
 
     def __post_init__(self) -> None:
         checked_str(self.name, "UnitProfile.name", ProfileError)
@@ -512,6 +521,11 @@ class Profile:
         head: the output head remat can chunk, and what each chunk count measured
             (:class:`HeadProfile`); ``None`` when it recognised none or was not asked to
             measure it. A plan choosing a chunk count is costed on :meth:`with_head`.
+        recompute_rng_bytes: the RNG state torch's checkpoint stashes while a region
+            recomputes (``torch.random.fork_rng``), once per region, as measured on the
+            profile's device (the CPU generator's state on CPU; a GPU's states are
+            host tensors, so 0 there). Inside the ``checkpoint`` option's own
+            ``bwd_peak_bytes``; a multi-unit segment adds it to its recomputation.
 
     Every byte figure here and in the units is an int in ``[0, MAX_BYTES]``, every
     time a finite float in ``[0, MAX_MS]`` milliseconds; anything else (a string,
@@ -542,6 +556,7 @@ class Profile:
     batch_bytes: int = 0
     coverage: float | None = None
     head: HeadProfile | None = None
+    recompute_rng_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", checked_list(self.units, "Profile.units", ProfileError))
@@ -855,7 +870,7 @@ _OPTION_INTS = ("held_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 _OPTION_BOOLS = ("holds_input", "holds_output")
 _UNIT_INTS = ("input_bytes", "output_bytes", "input_grad_bytes", "param_grad_bytes",
               "autocast_cache_bytes", "before_held_bytes", "before_fwd_peak_bytes",
-              "before_bwd_peak_bytes", "before_param_grad_bytes")
+              "before_bwd_peak_bytes", "before_param_grad_bytes", "recompute_state_bytes")
 _VARIANT_INTS = ("loss_bytes", "output_bytes", "carried_bytes", "grad_in_flight_bytes")
 _HEAD_CACHE = "_remat_head_variants"
 _UNIT_BOOLS = ("input_held_outside", "output_held_outside", "input_kept_by_caller")
@@ -870,6 +885,7 @@ _PROFILE_INTS = (
     "carried_bytes",
     "grad_in_flight_bytes",
     "batch_bytes",
+    "recompute_rng_bytes",
 )
 
 

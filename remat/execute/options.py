@@ -36,6 +36,7 @@ __all__ = [
     "forward_with_option",
     "frozen_batchnorm_stats",
     "option_is_active",
+    "recompute_snapshot_bytes",
     "selective_policy",
     "tracking_batchnorms",
 ]
@@ -91,11 +92,7 @@ def frozen_batchnorm_stats(modules: list[nn.modules.batchnorm._BatchNorm]) -> It
     checkpoint checks that recomputation saves the same tensors), so the
     buffers are snapshotted and written back instead.
     """
-    saved = [
-        [(buf, buf.detach().clone()) for buf in (m.running_mean, m.running_var,
-                                                 m.num_batches_tracked) if buf is not None]
-        for m in modules
-    ]
+    saved = [[(buf, buf.detach().clone()) for buf in _running_stats(m)] for m in modules]
     try:
         yield
     finally:
@@ -103,6 +100,21 @@ def frozen_batchnorm_stats(modules: list[nn.modules.batchnorm._BatchNorm]) -> It
             for pairs in saved:
                 for buf, value in pairs:
                     buf.copy_(value)
+
+
+def _running_stats(m: nn.modules.batchnorm._BatchNorm) -> list[torch.Tensor]:
+    """The buffers :func:`frozen_batchnorm_stats` snapshots and writes back."""
+    return [buf for buf in (m.running_mean, m.running_var, m.num_batches_tracked)
+            if buf is not None]
+
+
+def recompute_snapshot_bytes(module: nn.Module, device_type: str) -> int:
+    """Bytes on ``device_type`` that recomputing ``module`` under ``checkpoint`` holds
+    beyond its forward: :func:`frozen_batchnorm_stats`' copies of its BatchNorm
+    statistics, alive from the start of the region's recomputation to its end."""
+    return sum(buf.numel() * buf.element_size()
+               for bn in tracking_batchnorms(module) for buf in _running_stats(bn)
+               if buf.device.type == device_type)
 
 
 def checkpoint_context_fn(

@@ -189,6 +189,7 @@ def profiles(
                     for name in ("before_held_bytes", "before_fwd_peak_bytes",
                                  "before_bwd_peak_bytes",
                                  "before_param_grad_bytes")}),
+                recompute_state_bytes=draw(st.sampled_from([0, 0, draw(_bytes)])),
             )
         )
     outside = st.builds(
@@ -211,6 +212,7 @@ def profiles(
         optimizer_state_bytes=draw(st.integers(0, 100)),
         optimizer_step_peak_bytes=draw(_bytes),
         step_ms=draw(st.floats(min_value=1.0, max_value=100.0)),
+        recompute_rng_bytes=draw(st.sampled_from([0, draw(_bytes)])),
         **{name: draw(_bytes) for name in sorted(optional)},
         **draw(loop_figures(n)),
     )
@@ -302,12 +304,14 @@ def segment_profiles(draw: st.DrawFn, max_units: int = 8) -> Profile:
                 input_grad_bytes=sizes[i], param_grad_bytes=draw(st.integers(0, 10)),
                 options=options, input_held_outside=draw(st.booleans()),
                 output_held_outside=draw(st.booleans()),
+                recompute_state_bytes=draw(st.sampled_from([0, draw(st.integers(0, 10))])),
             )
         )
     return Profile(
         units=tuple(units), is_chain=True,
         suffix=OutsideCost(held_bytes=draw(st.integers(0, 20))),
         param_bytes=draw(st.integers(0, 50)), step_ms=10.0,
+        recompute_rng_bytes=draw(st.sampled_from([0, draw(st.integers(0, 10))])),
         **draw(loop_figures(n)),
     )
 
