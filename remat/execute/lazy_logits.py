@@ -54,11 +54,19 @@ __all__ = ["DeferredHead", "HeadUse", "LazyLogits", "deferred_head", "remove_def
 
 log = logging.getLogger("remat")
 
-# Reading these computes nothing: metadata the fake data answers as the real would.
+# Reading these computes nothing: metadata the fake data answers as the real would (the
+# storage's: four bytes, which is what the lazy logits hold).
 _METADATA = frozenset({
-    "__get__", "size", "dim", "ndimension", "numel", "nelement", "is_floating_point",
+    "size", "dim", "ndimension", "numel", "nelement", "is_floating_point",
     "is_complex", "element_size", "get_device", "is_contiguous", "__len__", "stride",
     "data_ptr", "untyped_storage", "storage_offset", "__hash__",
+})
+# Attributes read through a descriptor (``Tensor.shape.__get__``) that are metadata too;
+# any other (``.data``, ``.T``, ``.mT``) is the logits' values and computes them.
+_METADATA_ATTRIBUTES = frozenset({
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "grad", "ndim",
+    "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn",
+    "names", "itemsize", "nbytes", "output_nr", "_version", "_base", "is_nested",
 })
 # Row-preserving reshapes: the result's rows are the hidden states' rows, reshaped alike.
 _RESHAPES = frozenset({"view", "reshape", "flatten"})
@@ -97,7 +105,10 @@ class LazyLogits(torch.Tensor):
              bias: torch.Tensor | None = None) -> LazyLogits:
         shape = (*hidden.shape[:-1], head.module.out_features)
         fake = torch.zeros((), dtype=torch.float32, device=hidden.device).expand(shape)
-        lazy = torch.Tensor._make_subclass(LazyLogits, fake, False)
+        # Requires grad where the real logits would (callers read the flag).
+        grad = torch.is_grad_enabled() and (hidden.requires_grad
+                                            or head.module.weight.requires_grad)
+        lazy = torch.Tensor._make_subclass(LazyLogits, fake, grad)
         lazy._remat_hidden = hidden
         lazy._remat_head = head
         lazy._remat_autocast = autocast
@@ -126,7 +137,7 @@ class LazyLogits(torch.Tensor):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         lazy = args[0] if args and isinstance(args[0], LazyLogits) else None
-        if name in _METADATA:
+        if name in _METADATA or (name == "__get__" and _descriptor(func) in _METADATA_ATTRIBUTES):
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if lazy is not None and lazy._remat_real is None:
@@ -195,6 +206,11 @@ class LazyLogits(torch.Tensor):
         return loss
 
 
+def _descriptor(func: Callable[..., Any]) -> str:
+    """The attribute a descriptor's ``__get__`` reads (``"shape"`` for ``Tensor.shape``)."""
+    return getattr(getattr(func, "__self__", None), "__name__", "")
+
+
 def _keeps_float32(name: str, args: Any, kwargs: Any) -> bool:
     """``logits.float()``, ``logits.to(torch.float32)``, ``.contiguous()``: no change to
     what the lazy logits stand for."""
@@ -207,6 +223,8 @@ def _keeps_float32(name: str, args: Any, kwargs: Any) -> bool:
 
 
 def _describe(name: str, func: Callable[..., Any], args: Any, kwargs: Any) -> str:
+    if name == "__get__":
+        return _descriptor(func)
     if func is F.cross_entropy:
         extra = {k: v for k, v in kwargs.items()
                  if k in ("weight", "label_smoothing", "reduction") and v not in (None, 0.0)}
