@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.execute.lazy_logits import deferred_head, remove_deferred_head
-from remat.execute.linear_cross_entropy import linear_cross_entropy
-from remat.execute.tied_embedding import claim, tie, untie
+from remat.execute.linear_cross_entropy import IGNORE_INDEX, chunked_cross_entropy
+from remat.execute.tied_embedding import tie, untie
 
 __all__ = [
     "IGNORE_INDEX",
@@ -56,38 +56,7 @@ __all__ = [
     "watching_head_loss",
 ]
 
-IGNORE_INDEX = -100
 _CHUNKS_ATTR = "_remat_head_chunks"  # on a head module: the chunk count a plan chose
-
-
-def chunked_cross_entropy(
-    hidden: torch.Tensor,
-    head: nn.Linear,
-    target: torch.Tensor,
-    *,
-    chunks: int,
-    ignore_index: int = IGNORE_INDEX,
-    divide_by: torch.Tensor | float | None = None,
-    bias_add: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``cross_entropy(head(hidden).float(), target)`` over ``chunks`` slices of the tokens.
-
-    ``hidden`` is ``(..., features)``, ``target`` the matching ``(...)`` class indices. The
-    sum over the tokens that count is divided by ``divide_by`` (default: their number, the
-    mean ``cross_entropy`` takes). The slices' gradients are computed with their logits
-    (:mod:`remat.execute.linear_cross_entropy`); the values are the plain computation's
-    up to the order of a float32 sum. ``bias_add``: one score per class added to the
-    head's output before the loss (the model adds it after the head).
-    """
-    bias = head.bias
-    if bias_add is not None:
-        bias = bias_add if bias is None else bias + bias_add
-    tied_to = None
-    if torch.is_grad_enabled() and head.weight.requires_grad:
-        tied_to = claim(head, hidden)
-    return linear_cross_entropy(hidden, head.weight, bias, target, chunks=chunks,
-                                ignore_index=ignore_index, divide_by=divide_by,
-                                tied_to=tied_to)
 
 
 def head_loss(

@@ -48,6 +48,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_map
 
 from remat.core.errors import RematWarning
+from remat.execute.linear_cross_entropy import chunked_cross_entropy
 
 __all__ = ["DeferredHead", "HeadUse", "LazyLogits", "deferred_head", "remove_deferred_head",
            "watching_use"]
@@ -193,8 +194,6 @@ class LazyLogits(torch.Tensor):
                  and reduction in ("mean", "sum") and label_smoothing == 0.0)
         if not plain or not torch.is_grad_enabled():
             return None
-        from remat.execute.head import chunked_cross_entropy  # the head's one computation
-
         head = self._remat_head
         enabled, dtype = self._remat_autocast
         with torch.autocast(self._remat_hidden.device.type, dtype=dtype, enabled=enabled):

@@ -13,7 +13,10 @@ summing a full-size partial gradient per chunk (two weight gradients alive at on
 head's peak on a large vocabulary). The price: a forward under grad that is never
 backpropagated wasted the gradients' products, and double backward is not supported.
 
-Used by :mod:`remat.execute.head` (``chunked_cross_entropy``), the only caller.
+:func:`chunked_cross_entropy` is the head's one computation, for the two ways in
+(:mod:`remat.execute.head`'s ``head_loss`` and the lazy logits of
+:mod:`remat.execute.lazy_logits`); it claims a tied embedding's handoff
+(:mod:`remat.execute.tied_embedding`).
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.autograd.function import once_differentiable
 
 from remat.core.errors import LoopError
-from remat.execute.tied_embedding import hand_over
+from remat.execute.tied_embedding import claim, hand_over
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["chunked_cross_entropy", "linear_cross_entropy"]
+
+IGNORE_INDEX = -100  # the index cross_entropy ignores by default
 
 # Under autocast the weight's gradient is summed in the weight's own dtype (float32 for
 # an autocast model): a chunk's low-precision product is added in vocabulary slices of
@@ -56,6 +62,36 @@ def linear_cross_entropy(
     """
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, chunks, ignore_index,
                                      divide_by, tied_to)
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    target: torch.Tensor,
+    *,
+    chunks: int,
+    ignore_index: int = IGNORE_INDEX,
+    divide_by: torch.Tensor | float | None = None,
+    bias_add: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(head(hidden).float(), target)`` over ``chunks`` slices of the tokens.
+
+    ``hidden`` is ``(..., features)``, ``target`` the matching ``(...)`` class indices. The
+    sum over the tokens that count is divided by ``divide_by`` (default: their number, the
+    mean ``cross_entropy`` takes). The slices' gradients are computed with their logits
+    (:mod:`remat.execute.linear_cross_entropy`); the values are the plain computation's
+    up to the order of a float32 sum. ``bias_add``: one score per class added to the
+    head's output before the loss (the model adds it after the head).
+    """
+    bias = head.bias
+    if bias_add is not None:
+        bias = bias_add if bias is None else bias + bias_add
+    tied_to = None
+    if torch.is_grad_enabled() and head.weight.requires_grad:
+        tied_to = claim(head, hidden)
+    return linear_cross_entropy(hidden, head.weight, bias, target, chunks=chunks,
+                                ignore_index=ignore_index, divide_by=divide_by,
+                                tied_to=tied_to)
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
