@@ -116,10 +116,14 @@ def remedies(profile: Profile) -> tuple[Remedy, ...]:
 def _chunked_head(profile: Profile) -> Remedy:
     name = "chunked head"
     if profile.head is None:
-        why = ("no head remat can chunk was measured: it is measured for a Hugging Face causal "
-               "LM trained on labels, or a model calling remat.head_loss(), in a loop that "
-               "drops the output (Loop(keep_output=False)); head='chunked' allows it in any "
-               "loop that does not read the logits")
+        refused = profile.meta.get("head_not_chunked")
+        why = (f"not offered: {refused}" if refused else
+               "no head remat can chunk was measured: it is measured for a model with an "
+               "output head whose own cross entropy on its logits passes remat's check on "
+               "one example (Hugging Face causal LMs, MoE, T5, BART, under peft too), or a "
+               "model calling remat.head_loss(), in a loop that drops the output "
+               "(Loop(keep_output=False)); head='chunked' allows it in any loop that does not "
+               "read the logits")
         return Remedy(name, None, why)
     alone = replace(checkpointing_only(profile), head=profile.head)
     chunks, nbytes = lowest_floor(alone)

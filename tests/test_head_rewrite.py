@@ -210,6 +210,8 @@ def test_where_the_rewrite_would_change_the_loss_the_head_is_not_chunked(
     assert profile.head is None
     assert why in profile.meta["head_not_chunked"]
     assert "is not chunked" in caplog.text
+    said = str(remat.estimate(model, batch, loop=DROP, loss_fn=loss_fn))  # the cached profile
+    assert "chunked head" in said and why in said
     plan = remat.solve(model, batch, int(min_peak_bytes(profile) * 1.02), loop=DROP,
                        loss_fn=loss_fn)
     assert plan.head is None and plan.options != ("keep",) * plan.n
