@@ -52,9 +52,8 @@ from torch import nn  # noqa: E402
 
 import remat  # noqa: E402
 from remat.core.bytesize import mib  # noqa: E402
-from remat.remedies import checkpointing_only  # noqa: E402
-from remat.solver.pareto import min_feasible_peak  # noqa: E402
-from remat.solver.solve import solve_profile  # noqa: E402
+from remat.solver import min_peak_bytes_over_heads, solve_profile  # noqa: E402
+from remat.tune.remedies import checkpointing_only  # noqa: E402
 
 log = logging.getLogger("floor")
 
@@ -148,7 +147,7 @@ def _remat_rows(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer |
         for prof, chunked in choices:
             name = " + ".join(["remat"] + ["chunked head"] * chunked
                               + ["gradients released"] * released)
-            planned(name, prof, min_feasible_peak(prof), loop)
+            planned(name, prof, min_peak_bytes_over_heads(prof), loop)
             if chunked:
                 planned(f"{name}, at {goal}", prof, goal_bytes, loop)
     return rows

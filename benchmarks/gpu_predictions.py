@@ -49,9 +49,8 @@ import remat  # noqa: E402
 from remat.core.bytesize import mib  # noqa: E402
 from remat.measurement.simulated_device import SimulatedDevice  # noqa: E402
 from remat.measurement.storage import resident_bytes  # noqa: E402
-from remat.profile_cache import forget_profiles  # noqa: E402
-from remat.solver.pareto import min_feasible_peak  # noqa: E402
-from remat.solver.resolve import no_checkpoint_peak_bytes  # noqa: E402
+from remat.solver import min_peak_bytes_over_heads, no_checkpoint_peak_bytes  # noqa: E402
+from remat.tune.profile_cache import forget_profiles  # noqa: E402
 
 COLUMNS = ("model", "budget", "plan", "pred MiB", "alloc MiB", "err % (alloc)",
            "reserved MiB", "reserved - alloc MiB", "reserved / budget", "pred ms", "meas ms",
@@ -120,7 +119,7 @@ def prediction_rows(name: str, case: Case, device: torch.device, repeats: int
                     ) -> tuple[list[dict[str, str]], remat.Profile]:
     """Profile ``case`` once; solve, apply and measure it at each of the five budgets."""
     profile = remat.profile(case.model, case.batch, optimizer=case.optimizer, loop=LOOP)
-    lo, hi = min_feasible_peak(profile), no_checkpoint_peak_bytes(profile)
+    lo, hi = min_peak_bytes_over_heads(profile), no_checkpoint_peak_bytes(profile)
     rows = []
     for fraction in FRACTIONS:
         budget = lo + int(fraction * (hi - lo))
@@ -186,7 +185,7 @@ def under_the_cap(name: str, case: Case, profile: remat.Profile, device: torch.d
     """Cap the device at the smallest feasible peak plus ``at`` of the range up to the
     unplanned step's predicted peak (below it, so the unplanned step cannot fit); run the
     unplanned step (expected: out of memory), then solve for the cap and train."""
-    lo, unplanned = min_feasible_peak(profile), no_checkpoint_peak_bytes(profile)
+    lo, unplanned = min_peak_bytes_over_heads(profile), no_checkpoint_peak_bytes(profile)
     cap = lo + int(at * (unplanned - lo))
     row = {"model": name, "cap MiB": mib(cap, 1), "unplanned (predicted) MiB": mib(unplanned, 1)}
     resident = resident_bytes(case.model, case.optimizer, batch=case.batch, device=device)

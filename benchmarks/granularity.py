@@ -6,7 +6,7 @@ units (``granularity="blocks"``) and with the blocks' children (``"children"``:
 conv, norm and downsample layers; the ReLUs and residual adds between them are
 functional). Both optimal frontiers (``remat.solver.pareto_frontier``) go into one
 table and one plot, with the score ``granularity="auto"`` decides on
-(``remat.granularity``: mean relative step time at five budgets).
+(``remat.tune.granularity``: mean relative step time at five budgets).
 
 Writes benchmarks/results/granularity.md and granularity.png.
 
@@ -27,9 +27,9 @@ from _common import RESULTS, machine_line, markdown_table, write_result  # noqa:
 
 from remat import models  # noqa: E402
 from remat.core.bytesize import format_bytes  # noqa: E402
-from remat.granularity import level_scores  # noqa: E402
 from remat.profiler import find_units, profile  # noqa: E402
 from remat.solver import pareto_frontier  # noqa: E402
+from remat.tune.granularity import level_scores  # noqa: E402
 
 
 def _plot(frontiers: dict, path) -> None:  # noqa: ANN001

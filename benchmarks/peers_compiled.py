@@ -1,6 +1,6 @@
 """The compiled rows of the peers benchmark: ``torch.compile`` and remat's compiled plan.
 
-Both are measured by :func:`remat.compiled.measure_compiled` (one step compiles,
+Both are measured by :func:`remat.tune.compiled.measure_compiled` (one step compiles,
 the next is metered with the allocator, then the timed steps); this module adds
 what a row's note says: the measurement's wall time, the graphs and graph breaks
 dynamo produced, and the recompile limits it hit.
@@ -21,9 +21,8 @@ from peers_data import COMPILED, REMAT_COMPILED, TORCH_COMPILE, Row, mib_cell
 from torch import nn
 
 import remat
-from remat.compiled import measure_compiled, solve_compiled
-from remat.core.errors import InfeasibleBudgetError
 from remat.models import ReferenceModel
+from remat.tune.compiled import measure_compiled, solve_compiled
 
 REPO = str(Path(__file__).resolve().parent.parent)
 # measure_compiled times its steps only when the peak is within a bound: here, always.
@@ -114,10 +113,10 @@ def remat_compiled_row(ref: ReferenceModel, pristine: nn.Module, profile: remat.
                        budget: int, fraction: float, repeats: int) -> Row:
     """remat's plan for compiled training at ``fraction``, compiled and measured.
 
-    The plan comes from ``solve(..., compiled=True)`` (:func:`remat.compiled.solve_compiled`):
+    The plan comes from ``solve(..., compiled=True)`` (:func:`remat.tune.compiled.solve_compiled`):
     the fastest (frontier plan, inductor ``activation_memory_budget``) whose compiled
     step fits the budget. It is measured at that partitioner budget, as
-    :func:`remat.compiled.compile_planned` would compile it. A search that finds no
+    :func:`remat.tune.compiled.compile_planned` would compile it. A search that finds no
     fitting plan, or a plan that does not compile, becomes a row whose note says why.
     """
     def fresh(setting: str, plan: remat.Plan | None = None) -> Row:
@@ -129,7 +128,7 @@ def remat_compiled_row(ref: ReferenceModel, pristine: nn.Module, profile: remat.
         plan = solve_compiled(copy.deepcopy(pristine), ref.batch, profile, budget,
                               loss_fn=ref.loss_fn)
         search_s = time.perf_counter() - t0
-    except InfeasibleBudgetError as exc:
+    except remat.InfeasibleBudgetError as exc:
         row = fresh(f"f={fraction:g}: compiled search")
         smallest = mib_cell(exc.min_feasible_bytes)
         row.note = f"no plan fits compiled: smallest measured {smallest} MiB"

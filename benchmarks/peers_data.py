@@ -50,7 +50,7 @@ NOT_APPLICABLE = {
 # speed whenever another process holds a core, which made the timings bimodal.
 DEFAULT_THREADS = 1
 # How the compiled rows were measured (RunFacts.compiled_measurement): by
-# remat.compiled.measure_compiled, or (runs before it was used) by the benchmark's own
+# remat.tune.compiled.measure_compiled, or (runs before it was used) by the benchmark's own
 # loop: warm-up steps, then the allocator peak, then timed steps with their CPU time.
 MEASURE_COMPILED, OWN_LOOP = "measure_compiled", "own loop"
 

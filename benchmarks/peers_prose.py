@@ -105,11 +105,10 @@ the exception.""")
 # How the compiled rows were measured, as the run recorded it (RunFacts.compiled_measurement).
 COMPILED_TIMING = {
     MEASURE_COMPILED: (
-        "compiled ones by `remat.compiled.measure_compiled`: its first step compiles, the next "
-        "is metered with the allocator, then $repeats_n more are timed (wall time only: compiled "
-        "rows "
-        "have no cpu ms and no per-step times in `peers.csv`); dynamo is reset before and after "
-        "each, and the note gives the whole measurement's time, compile included."
+        "compiled ones by `remat.tune.compiled.measure_compiled`: its first step compiles, the "
+        "next is metered with the allocator, then $repeats_n more are timed (wall time only: "
+        "compiled rows have no cpu ms and no per-step times in `peers.csv`); dynamo is reset "
+        "before and after each, and the note gives the whole measurement's time, compile included."
     ),
     "own loop": (
         "each compiled model right after its compile, after $compiled_warmup (dynamo is reset "
@@ -121,11 +120,11 @@ COMPILED_PLAN_MEASURED = {
     MEASURE_COMPILED: (
         "It is measured like the $torch_compile rows, by `measure_compiled` at its amb, which "
         "applies the plan to a fresh copy with `remat.apply_plan` and compiles it as "
-        "`remat.compiled.compile_planned` does."
+        "`remat.tune.compiled.compile_planned` does."
     ),
     "own loop": (
         "It is applied with `remat.apply_plan` to a fresh copy which is then `torch.compile`d "
-        "at its amb (`remat.compiled.compile_planned` does the same), and measured like the "
+        "at its amb (`remat.tune.compiled.compile_planned` does the same), and measured like the "
         "$torch_compile rows (allocator peak, compile time in the note, dynamo reset before "
         "each compile)."
     ),

@@ -12,7 +12,7 @@ own deep copy of one pristine model, with the same batch.
 Eager methods: both peaks are :func:`remat.measure`'s (the dispatch-level meter's
 and the allocator's, on the same loop), and the
 step times (wall and process CPU) are taken round-robin across the methods.
-Compiled ones are measured by :func:`remat.compiled.measure_compiled`.
+Compiled ones are measured by :func:`remat.tune.compiled.measure_compiled`.
 ``peers.py`` runs this and then the reporter; see it for the command line. It
 sets ``OMP_WAIT_POLICY`` before anything imports torch (and says why).
 """
@@ -55,13 +55,12 @@ from torch import nn
 
 import remat
 from remat.api import activation_budget
-from remat.compiled import DEFAULT_PARTITIONER_BUDGETS, solve_compiled
-from remat.core.errors import InfeasibleBudgetError
 from remat.measurement.runner import forward_loss, model_device
 from remat.measurement.state import clear_grads
 from remat.measurement.timing import Stopwatch
 from remat.models import ReferenceModel, build
-from remat.solver.resolve import no_checkpoint_peak_bytes
+from remat.solver import no_checkpoint_peak_bytes
+from remat.tune.compiled import DEFAULT_PARTITIONER_BUDGETS, solve_compiled
 
 # Model sizes for the full run, tuned so that the whole run (4 models, 3 budgets,
 # 4 torch.compile compiles per model plus remat's compiled search) takes about
@@ -180,11 +179,11 @@ def run_guarded(label: str, fn: Callable[[], Any], failures: list[str]) -> Any:
 
 
 # --------------------------------------------------------------------------- one model
-def solve_optimal(profile: remat.Profile, budget: int) -> remat.Plan | InfeasibleBudgetError:
+def solve_optimal(profile: remat.Profile, budget: int) -> remat.Plan | remat.InfeasibleBudgetError:
     """remat's optimal plan for ``budget``, or the infeasibility error (it carries the floor)."""
     try:
         return remat.solve(profile, memory_budget=budget)
-    except InfeasibleBudgetError as exc:
+    except remat.InfeasibleBudgetError as exc:
         return exc
 
 
@@ -203,7 +202,7 @@ def remat_variants(
     for method, setting, f, solve in jobs:
         label = f"{ref.name} {method} {setting}".rstrip()
         plan = run_guarded(f"{label}: solve", solve, failures)
-        if plan is None or isinstance(plan, InfeasibleBudgetError):
+        if plan is None or isinstance(plan, remat.InfeasibleBudgetError):
             note = ("solve failed (see Failures)" if plan is None else
                     f"infeasible: min feasible peak {mib_cell(plan.min_feasible_bytes)} MiB")
             rows.append(Row(ref.name, method, setting, EAGER, budget_fraction=f, note=note))

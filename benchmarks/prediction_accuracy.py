@@ -6,7 +6,7 @@ smallest feasible peak to no checkpointing, solve the optimal plan from one
 profile, apply it and measure one optimizer step of the loop with both instruments:
 the dispatch-level meter and the allocator's view (``torch.profiler`` memory events
 on CPU). The prediction is compared with the allocator's view. Then the closed loop
-``remat.solve`` runs by default (:mod:`remat.verify`: measure, and solve again below
+``remat.solve`` runs by default (:mod:`remat.tune.verify`: measure, and solve again below
 the budget by any excess) is applied to the same plan, and its result recorded.
 Prints a markdown table and writes it to benchmarks/results/prediction_accuracy.md.
 
@@ -34,9 +34,8 @@ import remat  # noqa: E402
 from remat import models  # noqa: E402
 from remat.core.bytesize import mib  # noqa: E402
 from remat.measurement.runner import call_model, compute_loss  # noqa: E402
-from remat.solver.pareto import min_feasible_peak  # noqa: E402
-from remat.solver.resolve import no_checkpoint_peak_bytes  # noqa: E402
-from remat.verify import measure_plan, verified  # noqa: E402
+from remat.solver import min_peak_bytes_over_heads, no_checkpoint_peak_bytes  # noqa: E402
+from remat.tune.verify import measure_plan, verified  # noqa: E402
 
 COLUMNS = ("case", "loop", "budget", "plan", "pred MiB", "disp MiB", "alloc MiB",
            "err % (alloc)", "fits", "verified", "pred ms", "meas ms", "loss Δ")
@@ -117,7 +116,7 @@ def rows_for(name: str, repeats: int, make: Callable[[], Case] | None = None
     optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-4) if case.adamw else None
     profile = remat.profile(case.model, case.batch, loss_fn=case.loss_fn, loop=case.loop,
                             optimizer=optimizer, **case.profile_options)
-    lo, hi = min_feasible_peak(profile), no_checkpoint_peak_bytes(profile)
+    lo, hi = min_peak_bytes_over_heads(profile), no_checkpoint_peak_bytes(profile)
     as_written = _loss(case)
     rows = []
     for fraction in FRACTIONS:

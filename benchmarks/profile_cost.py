@@ -47,9 +47,8 @@ from remat.measurement.simulated_device import SimulatedDevice  # noqa: E402
 from remat.measurement.state import clear_grads  # noqa: E402
 from remat.measurement.storage import resident_bytes  # noqa: E402
 from remat.measurement.timing import Stopwatch  # noqa: E402
-from remat.profile_cache import forget_profiles  # noqa: E402
-from remat.solver import no_checkpoint_peak_bytes  # noqa: E402
-from remat.solver.pareto import min_feasible_peak  # noqa: E402
+from remat.solver import min_peak_bytes_over_heads, no_checkpoint_peak_bytes  # noqa: E402
+from remat.tune.profile_cache import forget_profiles  # noqa: E402
 
 
 @dataclass
@@ -134,7 +133,7 @@ def row_for(key: str, runs: int, repeats: int) -> dict[str, str]:
     kw = {"loss_fn": case.loss_fn, "loop": case.loop}
     unplanned = remat.measure(case.model, case.batch, repeats=1, **kw).worst_peak_bytes
     profile = remat.profile(case.model, case.batch, progress=False, **kw)  # discarded
-    lo, hi = min_feasible_peak(profile), no_checkpoint_peak_bytes(profile)
+    lo, hi = min_peak_bytes_over_heads(profile), no_checkpoint_peak_bytes(profile)
     budget = int(lo + 0.1 * (hi - lo))
     steps, profiles, solves = [], [], []
     for _ in range(runs):

@@ -24,15 +24,10 @@ from pathlib import Path
 
 from _common import RESULTS, machine_line, markdown_table, write_result
 
+from remat import Option, Plan, Profile, RematError
 from remat.core.bytesize import MIB, mib
-from remat.core.errors import RematError
-from remat.core.option import Option
-from remat.core.plan import Plan
-from remat.core.profile import OptionCost, OutsideCost, Profile, UnitProfile
-from remat.solver.dp import solve_dp
-from remat.solver.ilp import solve_ilp
-from remat.solver.min_peak import min_peak_bytes
-from remat.solver.resolve import no_checkpoint_peak_bytes
+from remat.core.profile import OptionCost, OutsideCost, UnitProfile
+from remat.solver import min_peak_bytes, no_checkpoint_peak_bytes, solve_dp, solve_ilp
 
 log = logging.getLogger("solver_speed")
 

@@ -1,7 +1,7 @@
-"""``python -m remat``: see :mod:`remat.cli`."""
+"""``python -m remat``: see :mod:`remat.cli.commands`."""
 
 import sys
 
-from remat.cli import main
+from remat.cli.commands import main
 
 sys.exit(main())

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from remat.measurement.step import StepMeasurement
-    from remat.profile_cache import Lookup
+    from remat.tune.profile_cache import Lookup
 
 __all__ = ["activation_budget", "apply_plan", "pareto", "profile", "remove_plan", "solve"]
 
@@ -84,7 +84,7 @@ def profile(
     ``Loop(autocast=<its dtype>)`` (a ``loop=`` that says otherwise is refused):
     :mod:`remat.ambient`.
     """
-    from remat.ambient import planning
+    from remat.tune.ambient import planning
 
     with planning(model, settings.pop("loop", None), "profile()") as loop:
         return _profile(model, sample_batch, granularity=granularity, loop=loop,
@@ -95,8 +95,8 @@ def _profile(model: nn.Module, sample_batch: Any, *, granularity: str, fresh: bo
              **settings: Any) -> Lookup:
     """:func:`profile`'s work, outside any ambient autocast: the cached profile, or a new one
     (always a new one when ``fresh``), and which it is."""
-    from remat.profile_cache import cached_profile
     from remat.profiler import profile_levels
+    from remat.tune.profile_cache import cached_profile
 
     check_profile_args(model, sample_batch, loss_fn=settings.get("loss_fn"),
                        optimizer=settings.get("optimizer"), loop=settings.get("loop"))
@@ -109,7 +109,7 @@ def _profile(model: nn.Module, sample_batch: Any, *, granularity: str, fresh: bo
                                           **settings)
         if children is None:
             return _with_unit_type_counts(blocks, model)
-        from remat.granularity import pick_level
+        from remat.tune.granularity import pick_level
 
         return _with_unit_type_counts(pick_level(blocks, children), model)
 
@@ -276,8 +276,8 @@ def solve(
         plan = _solve(prof, sample_batch, _within_device(prof, budget), method=method,
                       verify=False, solver_params=solver_params, head=head)
     else:
-        from remat.ambient import planning
-        from remat.profile_cache import note_restored
+        from remat.tune.ambient import planning
+        from remat.tune.profile_cache import note_restored
 
         model = model_or_profile
         with planning(model, loop, "solve()") as loop:
@@ -288,7 +288,7 @@ def solve(
             # Both searches plan within what the device can give (CUDA), eager or compiled.
             budget = _within_device(prof, budget)
             if compiled:
-                from remat.compiled import solve_compiled
+                from remat.tune.compiled import solve_compiled
 
                 try:
                     return solve_compiled(model, sample_batch, prof, budget, method=method,
@@ -361,8 +361,8 @@ def _solve(prof: Profile, sample_batch: Any, budget: Any, *, method: str, verify
     plan = solve_profile(prof, budget, method=method, head=head, **solver_params)
     if not verify or plan.budget_bytes is None or model is None:
         return plan
-    from remat.profile_cache import note_prediction_off, note_restored
-    from remat.verify import measure_plan, off_prediction, verified
+    from remat.tune.profile_cache import note_prediction_off, note_restored
+    from remat.tune.verify import measure_plan, off_prediction, verified
 
     def measure(candidate: Plan) -> StepMeasurement:
         measured = measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
@@ -454,7 +454,7 @@ def pareto(
     if isinstance(model_or_profile, Profile):
         prof = profile_for_head(model_or_profile, head, "pareto()")
     else:
-        from remat.ambient import planning
+        from remat.tune.ambient import planning
 
         with planning(model_or_profile, loop, "pareto()") as loop:
             prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,

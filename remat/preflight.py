@@ -20,8 +20,9 @@ from remat.core.errors import InfeasibleBudgetError
 from remat.core.loop import Loop
 from remat.core.plan import Plan
 from remat.core.profile import Profile
-from remat.remedies import Remedy, checkpointing_only, floor_cause, lowest_peak_bytes, remedies
+from remat.solver.head_choice import min_peak_bytes_over_heads
 from remat.solver.simulate import Simulation, simulate
+from remat.tune.remedies import Remedy, checkpointing_only, floor_cause, remedies
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -90,10 +91,10 @@ class Estimate:
         no_checkpoint: the peak without checkpointing (:class:`Peak`).
         smallest: the smallest peak checkpointing alone reaches (the units' options but
             offload, the head as the model computes it), and that plan.
-        floor: what ``smallest`` is made of, in words (:func:`remat.remedies.floor_cause`).
+        floor: what ``smallest`` is made of, in words (:func:`remat.tune.remedies.floor_cause`).
         remedies: for each remedy remat has (a chunked head, gradients released in
             backward, offload), the smallest peak with it, predicted
-            (:class:`remat.remedies.Remedy`).
+            (:class:`remat.tune.remedies.Remedy`).
         lowest: the smallest peak remat's plans reach in this loop, every remedy a plan
             can choose included (gradients released is a change of the loop: see
             ``remedies``).
@@ -231,14 +232,14 @@ def estimate(
         sample_batch: one micro-batch, as for :func:`remat.profile`.
         optimizer: count its state and its step (pass the optimizer you will train with).
         loop: the training loop (:class:`remat.Loop`); default a plain loop, or inside a
-            ``torch.autocast`` ``Loop(autocast=<its dtype>)`` (:mod:`remat.ambient`).
+            ``torch.autocast`` ``Loop(autocast=<its dtype>)`` (:mod:`remat.tune.ambient`).
         loss_fn, units, options: as for :func:`remat.profile`.
         memory_budget: also answer whether this budget fits (bytes, ``"8GB"``, ``"60%"``).
         head: measure a chunked head (``"auto"``, ``"chunked"``, ``"none"``), as for
             :func:`remat.solve` (a :class:`Profile` given is read as ``head`` asks).
 
     A profile of the model from an earlier call is reused where nothing in
-    :mod:`remat.profile_cache`'s key changed; the estimate runs no step, so a change the
+    :mod:`remat.tune.profile_cache`'s key changed; the estimate runs no step, so a change the
     key cannot see (a global the loss reads) needs ``forget_profiles()`` first.
 
     Returns:
@@ -253,10 +254,10 @@ def estimate(
 
         prof = profile_for_head(model_or_profile, head, "estimate()")
     else:
-        from remat.ambient import planning
         from remat.api import profile
+        from remat.tune.ambient import planning
 
-        # Inside a torch.autocast, the estimate is for that loop (remat.ambient).
+        # Inside a torch.autocast, the estimate is for that loop (remat.tune.ambient).
         with planning(model_or_profile, loop, "estimate()") as loop:
             prof = profile(model_or_profile, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
                            units=units, options=options, loop=loop, head=head)
@@ -292,7 +293,7 @@ def estimate_profile(profile: Profile, memory_budget: int | str | None = None) -
         verdict=verdict,
         floor=floor_cause(smallest_sim),
         remedies=remedies(profile),
-        lowest=lowest_peak_bytes(profile),
+        lowest=min_peak_bytes_over_heads(profile),
     )
 
 

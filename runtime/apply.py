@@ -53,7 +53,6 @@ from remat.runtime.guard import (
     positional_names,
     replaced_units,
 )
-from remat.runtime.head import check_head, install_plan_head, remove_plan_head
 from remat.runtime.inplace import (
     InputWritten,
     NestedBackward,
@@ -62,6 +61,7 @@ from remat.runtime.inplace import (
     tensor_arguments,
     written_arguments,
 )
+from remat.runtime.plan_head import check_head, install_plan_head, remove_plan_head
 from remat.runtime.segments import SegmentRunner
 
 __all__ = ["apply_plan", "planned", "remove_plan"]

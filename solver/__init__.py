@@ -22,6 +22,7 @@ from remat.solver.baselines import (
 )
 from remat.solver.dp import solve_dp
 from remat.solver.events import StepModel, step_model
+from remat.solver.head_choice import min_peak_bytes_over_heads
 from remat.solver.min_peak import min_peak_bytes, min_peak_plan
 from remat.solver.resolve import no_checkpoint_peak_bytes, resolve_budget
 from remat.solver.simulate import PEAK_PARTS, Simulation, simulate
@@ -29,15 +30,16 @@ from remat.solver.solve import ALGORITHMS, UnknownMethodError, solve_profile
 
 if TYPE_CHECKING:
     from remat.solver.ilp import solve_ilp
-    from remat.solver.pareto import frontier_plans, min_feasible_peak, pareto_frontier
+    from remat.solver.pareto import frontier_plans, pareto_frontier
 
 # Names whose modules import heavy packages (ortools; pandas where a frame is built).
 _LAZY = {
     "solve_ilp": "remat.solver.ilp",
     "frontier_plans": "remat.solver.pareto",
-    "min_feasible_peak": "remat.solver.pareto",
     "pareto_frontier": "remat.solver.pareto",
 }
+# Renamed names (docs/compatibility.md), an error naming the new one: old -> new name.
+RENAMED = {"min_feasible_peak": "min_peak_bytes_over_heads"}
 
 __all__ = [
     "ALGORITHMS",
@@ -50,8 +52,8 @@ __all__ = [
     "chen_plan",
     "frontier_plans",
     "keep_all_plan",
-    "min_feasible_peak",
     "min_peak_bytes",
+    "min_peak_bytes_over_heads",
     "min_peak_plan",
     "no_checkpoint_peak_bytes",
     "pareto_frontier",
@@ -70,6 +72,9 @@ def __getattr__(name: str) -> Any:  # PEP 562: load heavy names on first use
         value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value  # later lookups skip this function
         return value
+    if name in RENAMED:  # pre-1.0: no aliases
+        raise AttributeError(f"remat.solver.{name} was renamed: use "
+                             f"remat.solver.{RENAMED[name]}")
     raise AttributeError(f"module 'remat.solver' has no attribute {name!r}")
 
 

@@ -16,7 +16,9 @@ __all__ = ["min_peak_bytes", "min_peak_plan"]
 
 
 def min_peak_bytes(profile: Profile) -> int:
-    """The smallest simulated peak over the whole plan space, in bytes."""
+    """The smallest simulated peak over the whole plan space, in bytes, with the profile's
+    head as it stands (over every choice of a measured chunked head:
+    :func:`remat.solver.head_choice.min_peak_bytes_over_heads`)."""
     model = step_model(profile)
     return max(model.floor_bytes, int(model.need[0, model.start_flag]))
 

@@ -25,14 +25,14 @@ from remat.solver.baselines import (
     keep_all_plan,
     uniform_plan,
 )
-from remat.solver.heads import lowest_floor, solve_over_heads
+from remat.solver.head_choice import min_peak_bytes_over_heads, solve_over_heads
 from remat.solver.resolve import no_checkpoint_peak_bytes
 from remat.solver.solve import algorithm
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["COLUMNS", "frontier_plans", "min_feasible_peak", "pareto_frontier"]
+__all__ = ["COLUMNS", "frontier_plans", "pareto_frontier"]
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,6 @@ COLUMNS = ("budget_bytes", "peak_bytes", "time_ms", "overhead_pct", "algorithm",
 
 # Plan times are sums of floats: times this close count as equal.
 _TIME_TOLERANCE_MS = 1e-9
-
-
-def min_feasible_peak(profile: Profile) -> int:
-    """The smallest simulated peak of any plan (every option, every segment, and every
-    chunk count of the head measured), in bytes."""
-    return lowest_floor(profile)[1]
 
 
 def _budgets(lo: int, hi: int, points: int) -> list[int]:
@@ -66,7 +60,8 @@ def _solved(profile: Profile, points: int, method: str,
     no-checkpoint peak, ascending; budgets ``method`` cannot meet give none."""
     solve = algorithm(method)
     found = []
-    for budget in _budgets(min_feasible_peak(profile), no_checkpoint_peak_bytes(profile), points):
+    lo, hi = min_peak_bytes_over_heads(profile), no_checkpoint_peak_bytes(profile)
+    for budget in _budgets(lo, hi, points):
         try:
             found.append((budget, solve_over_heads(solve, profile, budget, head=head)))
         except InfeasibleBudgetError as err:
@@ -111,7 +106,7 @@ def frontier_plans(profile: Profile, *, points: int = 20, method: str = "dp",
 
     Budgets ``method`` cannot meet give no plan. Each plan's ``budget_bytes`` is the
     smallest of those budgets at which it was found. ``head``: as for
-    :func:`~remat.solver.heads.solve_over_heads` (exact first by default).
+    :func:`~remat.solver.head_choice.solve_over_heads` (exact first by default).
     """
     points = _check_points(points)
     kept = _frontier(_solved(profile, points, method, head))
@@ -179,7 +174,7 @@ def pareto_frontier(
     method cannot meet (a heuristic's) gives no row. Baseline rows (``budget_bytes`` is
     ``<NA>``) are reference points and are never dropped, but baselines that make
     the same plan share a row (``algorithm`` ``"all = chen"``). ``head``: how a measured
-    chunked head may be chosen (:func:`~remat.solver.heads.solve_over_heads`).
+    chunked head may be chosen (:func:`~remat.solver.head_choice.solve_over_heads`).
 
     Raises:
         ParameterError: ``points`` is not an int >= 1.

@@ -23,7 +23,7 @@ from remat.solver.baselines import (
     uniform_plan,
 )
 from remat.solver.dp import solve_dp
-from remat.solver.heads import solve_over_heads
+from remat.solver.head_choice import solve_over_heads
 from remat.solver.resolve import resolve_budget
 
 __all__ = [
@@ -123,7 +123,7 @@ def solve_profile(
         memory_budget: bytes, ``"8GB"``/``"7.5GiB"``, ``"60%"`` of the activation memory
             (``"60% of peak"``: of the no-checkpoint peak), or ``None`` for no budget.
         method: one of :data:`ALGORITHMS`.
-        head: how a measured chunked head may be chosen (:mod:`remat.solver.heads`):
+        head: how a measured chunked head may be chosen (:mod:`remat.solver.head_choice`):
             ``"auto"`` only below the head as written's smallest peak (exact first),
             ``"chunked"`` wherever faster, ``"none"`` never.
         params: the algorithm's own parameters (``k=`` for uniform,

@@ -21,7 +21,7 @@ from torch import nn
 
 import remat
 import remat.profiler.profile  # noqa: F401 - patched by no_profiling
-from remat.cli import main
+from remat.cli.commands import main
 from remat.core.errors import (
     ArgumentError,
     BudgetError,

@@ -1,10 +1,13 @@
-"""The house is the pipeline: each floor imports only the floors below it, never a sibling.
+"""The house is the pipeline: each floor imports only the floors below it, and the rooms
+on one floor are siblings that import none of each other.
 
-    core <- execute, measurement, solver <- profiler, runtime <- verify, compiled, api... <- cli
+    core <- execute, measurement, solver <- profiler, runtime <- tune, plot, models
+         <- the API (remat, api, preflight) <- cli, integrations
 
 Read from the source (every import statement, inside functions too), so a lazy import
-cannot slip past the rule. ``import remat`` and ``import remat.solver`` staying cheap is
-checked by ``test_import_cost.py`` and ``solver/test_solver_import.py``.
+cannot slip past the rule. docs/architecture.md's list of floors is :data:`FLOORS`,
+written out (checked below). ``import remat`` and ``import remat.solver`` staying cheap
+is checked by ``test_import_cost.py`` and ``solver/test_solver_import.py``.
 """
 
 from __future__ import annotations
@@ -20,18 +23,21 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"remat": ROOT / "remat", "remat.solver": ROOT / "solver",
            "remat.profiler": ROOT / "profiler", "remat.runtime": ROOT / "runtime"}
 
-# (floor, packages or modules on it); a module belongs to the longest prefix listed.
-FLOORS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("remat.core",)),
-    (1, ("remat.execute", "remat.measurement", "remat.solver")),
-    (2, ("remat.profiler", "remat.runtime")),
-    (3, ("remat", "remat.api", "remat.verify", "remat.compiled", "remat.preflight",
-         "remat.granularity", "remat.plot", "remat.plot_labels", "remat.report",
-         "remat.output", "remat.losses", "remat.integrations", "remat.models",
-         "remat.in_backward")),
-    (4, ("remat.cli", "remat.__main__", "remat.models.demo")),
-]
+# floor -> its rooms -> the packages or modules in each room. A module belongs to the
+# longest name listed that is it or a package above it; "remat" is remat/__init__.py
+# alone, so a new module beside the API must be given a room here. No room imports a
+# sibling: what two siblings would share belongs on a floor below them.
+FLOORS: dict[int, dict[str, tuple[str, ...]]] = {
+    0: {"core": ("remat.core",)},
+    1: {"execute": ("remat.execute",), "measurement": ("remat.measurement",),
+        "solver": ("remat.solver",)},
+    2: {"profiler": ("remat.profiler",), "runtime": ("remat.runtime",)},
+    3: {"tune": ("remat.tune",), "plot": ("remat.plot",), "models": ("remat.models",)},
+    4: {"api": ("remat", "remat.api", "remat.preflight")},
+    5: {"cli": ("remat.cli", "remat.__main__"), "integrations": ("remat.integrations",)},
+}
 TORCH_FREE = ("remat.core", "remat.solver")
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 
 
 def _modules() -> dict[str, Path]:
@@ -54,16 +60,20 @@ def _file(module: str) -> Path:
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
+def _covers(name: str, module: str) -> bool:
+    return module == name or (name != "remat" and module.startswith(name + "."))
+
+
 def _group(module: str) -> tuple[int, str]:
-    """``(floor, group)``: the group is the longest listed prefix of ``module``."""
-    best: tuple[int, str] | None = None
-    for floor, names in FLOORS:
-        for name in names:
-            if (module == name or module.startswith(name + ".")) and (
-                    best is None or len(name) > len(best[1])):
-                best = (floor, name)
-    assert best is not None, f"{module} is on no floor: add it to FLOORS"
-    return best
+    """``(floor, room)``: the room of the longest listed name that covers ``module``."""
+    best: tuple[int, str, str] | None = None
+    for floor, rooms in FLOORS.items():
+        for room, names in rooms.items():
+            for name in names:
+                if _covers(name, module) and (best is None or len(name) > len(best[2])):
+                    best = (floor, room, name)
+    assert best is not None, f"{module} is on no floor: give it a room in FLOORS"
+    return best[0], best[1]
 
 
 def _imports(module: str) -> Iterator[tuple[str, int]]:
@@ -106,8 +116,10 @@ def test_a_floor_imports_only_the_floors_below(module: str) -> None:
         their_floor, their_group = _group(target)
         where = f"{_file(module)}:{line} imports {target}"
         assert their_floor <= floor, f"{where}, a floor above ({their_floor} > {floor})"
-        if their_floor == floor and floor in (1, 2):
-            assert their_group == group, f"{where}: siblings on floor {floor} are independent"
+        if their_floor == floor:
+            assert their_group == group, (
+                f"{where}: {group} and {their_group} are siblings on floor {floor}, "
+                "independent of each other")
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(TORCH_FREE)))
@@ -200,9 +212,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles_between_remat_modules() -> None:
-    assert {"remat.cli", "remat.models.demo", "remat.core.plan"} <= set(MODULES)
+    assert {"remat.cli", "remat.cli.demo", "remat.core.plan"} <= set(MODULES)
     graph = {name: _imported_at_import_time(name) for name in MODULES}
-    assert "remat.models.load" in graph["remat.models.demo"]  # the walk sees imports
+    assert "remat.models.load" in graph["remat.cli.demo"]  # the walk sees imports
     assert _cycles(graph) == []
 
 
@@ -225,14 +237,45 @@ def test_no_module_imports_another_modules_private_names() -> None:
 
 
 def test_the_rule_catches_a_violation(tmp_path: Path) -> None:
-    # The checks above can fail: a profiler module importing the runtime is caught.
-    assert _group("remat.profiler.profile") == (2, "remat.profiler")
-    assert _group("remat.runtime.apply") == (2, "remat.runtime")
-    assert _group("remat.models.demo") == (4, "remat.models.demo")
-    MODULES["remat.profiler._probe"] = tmp_path / "probe.py"
-    (tmp_path / "probe.py").write_text("def f():\n    from remat.runtime.apply import apply_plan\n")
-    try:
-        with pytest.raises(AssertionError, match="siblings"):
-            test_a_floor_imports_only_the_floors_below("remat.profiler._probe")
-    finally:
-        del MODULES["remat.profiler._probe"]
+    # The checks above can fail: a profiler module importing the runtime is caught, and so
+    # is the verification importing the plot, siblings on the floor above.
+    assert _group("remat.profiler.profile") == (2, "profiler")
+    assert _group("remat.runtime.apply") == (2, "runtime")
+    assert _group("remat.cli.demo") == (5, "cli")
+    assert _group("remat") == (4, "api")
+    with pytest.raises(AssertionError, match="on no floor"):
+        _group("remat.stray")  # a module dropped beside the API has no room
+    probes = {"remat.profiler._probe": "from remat.runtime.apply import apply_plan",
+              "remat.tune._probe": "from remat.plot.pareto import plot_pareto"}
+    for k, (module, statement) in enumerate(probes.items()):
+        MODULES[module] = tmp_path / f"probe{k}.py"
+        MODULES[module].write_text(f"def f():\n    {statement}\n")
+        try:
+            with pytest.raises(AssertionError, match="siblings"):
+                test_a_floor_imports_only_the_floors_below(module)
+        finally:
+            del MODULES[module]
+
+
+# docs/architecture.md lists the floors as FLOORS holds them, one line per floor:
+#   - floor 3: `remat/tune/`, `remat/plot/`, `remat/models/` — free text after the dash
+# (a room of several names joins them with " + "), so the page cannot drift from the rule.
+def _where(name: str) -> str:
+    """A FLOORS name as the page writes it: a package's folder, or a module's file."""
+    path = _file(name)
+    return f"{path.parent}/" if path.name == "__init__.py" and name != "remat" else str(path)
+
+
+def floors_as_listed() -> list[str]:
+    return [f"- floor {floor}: " + ", ".join(" + ".join(f"`{_where(n)}`" for n in names)
+                                             for names in rooms.values())
+            for floor, rooms in FLOORS.items()]
+
+
+def test_the_architecture_page_lists_the_floors() -> None:
+    lines = ARCHITECTURE_DOC.read_text(encoding="utf-8").splitlines()
+    listed = [line.split(" — ")[0].rstrip() for line in lines if line.startswith("- floor ")]
+    expected = floors_as_listed()
+    assert listed == expected, (
+        f"{ARCHITECTURE_DOC.relative_to(ROOT)}'s floors differ from FLOORS; as FLOORS "
+        "has them:\n" + "\n".join(expected))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from remat.cli import main
+from remat.cli.commands import main
 
 
 def test_solve_prints_plan_and_measures(capsys, tmp_path):
@@ -107,7 +107,7 @@ def test_logits_model_with_a_named_loss_and_loop_options(tmp_path, capsys, monke
 
 
 def test_help_lists_the_contract_methods_and_budget_forms():
-    from remat.cli import build_parser
+    from remat.cli.commands import build_parser
 
     parser = build_parser()
     text = parser.format_help()
@@ -122,7 +122,7 @@ def test_help_lists_the_contract_methods_and_budget_forms():
 def test_written_files_get_the_users_mode(tmp_path, capsys, umask):
     # A temporary file is private (0o600); the file it becomes is the user's, as
     # open(path, "w") would make it.
-    from remat.output import write_atomic
+    from remat.cli.output import write_atomic
 
     old = os.umask(umask)
     try:

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import remat
-from remat.compiled import CompiledStep, compile_planned, measure_compiled, solve_compiled
 from remat.core.errors import InfeasibleBudgetError, RematError
 from remat.core.plan import CompiledChoice
 from remat.solver.pareto import frontier_plans
+from remat.tune.compiled import CompiledStep, compile_planned, measure_compiled, solve_compiled
 
 sys.path.insert(0, str(Path(__file__).parent / "solver"))
 from solver_testlib import transformer_like  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 
 import remat
 from remat import models
-from remat.solver.pareto import min_feasible_peak
+from remat.solver import min_peak_bytes_over_heads
 from remat.solver.resolve import no_checkpoint_peak_bytes
 
 PEAK_TOLERANCE = 0.01
@@ -41,7 +41,7 @@ def reference(request):
 
 def between(profile: remat.Profile, fraction: float) -> int:
     """A budget ``fraction`` of the way from the smallest feasible peak to no checkpointing."""
-    lo, hi = min_feasible_peak(profile), remat.simulate(
+    lo, hi = min_peak_bytes_over_heads(profile), remat.simulate(
         profile, remat.Plan.keep_all([u.name for u in profile.units])
     ).peak_bytes
     assert lo < 0.8 * hi, "the test model leaves no room to plan"
@@ -70,7 +70,7 @@ def test_plan_meets_budget_and_prediction_holds(reference, fraction):
 def test_solve_from_model_equals_solve_from_profile():
     ref = build("mlp")
     profile = remat.profile(ref.model, ref.batch, loss_fn=ref.loss_fn)
-    budget = (min_feasible_peak(profile) + no_checkpoint_peak_bytes(profile)) // 2
+    budget = (min_peak_bytes_over_heads(profile) + no_checkpoint_peak_bytes(profile)) // 2
     from_profile = remat.solve(profile, memory_budget=budget)
     positional = remat.solve(profile, budget)
     assert from_profile.options == positional.options

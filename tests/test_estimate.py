@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import remat
-from remat.cli import main
+from remat.cli.commands import main
 from remat.models import build
 from remat.preflight import Estimate, estimate_profile
 from remat.solver.min_peak import min_peak_bytes

@@ -23,8 +23,8 @@ from remat.core.errors import DeviceMemoryError
 from remat.measurement.runner import forward_loss
 from remat.measurement.simulated_device import SimulatedDevice
 from remat.measurement.storage import resident_bytes
-from remat.profile_cache import forget_profiles
 from remat.solver import min_peak_bytes
+from remat.tune.profile_cache import forget_profiles
 
 CEILING = 1.01  # remat's own work may exceed max(budget, smallest feasible peak) by 1%
 LOOP = remat.Loop(keep_output=False)
@@ -218,7 +218,7 @@ def test_a_budget_above_what_the_cuda_device_can_give_is_capped(monkeypatch) -> 
 def test_both_searches_plan_within_what_the_device_can_give(monkeypatch, compiled) -> None:
     # The compiled search once took the budget as asked, past the device's capacity.
     from remat import api
-    from remat import compiled as compiled_search
+    from remat.tune import compiled as compiled_search
 
     capped = []
 

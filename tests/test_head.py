@@ -27,10 +27,10 @@ from remat.execute.head import chunked_cross_entropy
 from remat.execute.lazy_logits import LazyLogits
 from remat.measurement.simulated_device import SimulatedDevice
 from remat.measurement.storage import resident_bytes
-from remat.profile_cache import forget_profiles
 from remat.solver import min_peak_bytes
-from remat.solver.heads import lowest_floor
+from remat.solver.head_choice import lowest_floor
 from remat.solver.resolve import no_checkpoint_peak_bytes
+from remat.tune.profile_cache import forget_profiles
 
 DROP = remat.Loop(keep_output=False)
 # float32: the chunked sum adds the same terms in another order.

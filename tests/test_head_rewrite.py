@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat.profile_cache import forget_profiles
 from remat.solver import min_peak_bytes
-from remat.solver.heads import lowest_floor
+from remat.solver.head_choice import lowest_floor
+from remat.tune.profile_cache import forget_profiles
 
 transformers = pytest.importorskip("transformers")
 

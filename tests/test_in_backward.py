@@ -16,7 +16,7 @@ from torch import nn
 
 import remat
 from remat.core.errors import ArgumentError, LoopError
-from remat.solver.pareto import min_feasible_peak
+from remat.solver import min_peak_bytes_over_heads
 from remat.solver.resolve import no_checkpoint_peak_bytes
 
 PEAK_TOLERANCE = 0.01
@@ -107,7 +107,7 @@ def lm_case():
 @pytest.mark.parametrize("fraction", (0.1, 0.6))
 def test_budgets_hold_in_backward(lm_case, fraction: float) -> None:
     case, optimizer, profile, _ = lm_case
-    lo, hi = min_feasible_peak(profile), no_checkpoint_peak_bytes(profile)
+    lo, hi = min_peak_bytes_over_heads(profile), no_checkpoint_peak_bytes(profile)
     budget = lo + int(fraction * (hi - lo))
     plan = remat.solve(case.model, case.batch, budget, loss_fn=case.loss_fn, loop=RELEASED,
                        optimizer=optimizer, units=[u.name for u in profile.units])
@@ -126,7 +126,8 @@ def test_releasing_the_gradients_lowers_the_floor(lm_case) -> None:
     outlives its phase, and the floor is lower. The plain profile's remedy predicts it:
     one profile carries the figures of both loops."""
     case, optimizer, released, plain = lm_case
-    floor_released, floor_plain = min_feasible_peak(released), min_feasible_peak(plain)
+    floor_released = min_peak_bytes_over_heads(released)
+    floor_plain = min_peak_bytes_over_heads(plain)
     assert floor_released < floor_plain
     est = remat.estimate(plain)
     remedy = {r.name: r for r in est.remedies}["gradients released"]
@@ -168,7 +169,7 @@ def test_both_remedies_together_are_predicted_and_measured() -> None:
     assert both.peak_bytes <= min(remedies["chunked head"].peak_bytes,
                                   remedies["gradients released"].peak_bytes)
     released = remat.profile(case.model, case.batch, loop=RELEASED, **kw)
-    floor = min_feasible_peak(released)
+    floor = min_peak_bytes_over_heads(released)
     assert abs(both.peak_bytes - floor) <= PEAK_TOLERANCE * floor
     plan = remat.solve(released, floor)
     assert plan.head is not None

@@ -84,7 +84,7 @@ def _below_the_head(args: TrainingArguments, data: Tokens) -> int:
     """A budget only a chunked head meets, in the Trainer's loop for ``args``."""
     from remat import Loop, profile
     from remat.solver import min_peak_bytes
-    from remat.solver.heads import lowest_floor
+    from remat.solver.head_choice import lowest_floor
 
     probe = _big_vocabulary()
     batch = {"input_ids": data.ids[:4], "labels": data.ids[:4]}

@@ -20,10 +20,9 @@ import pytest
 import torch
 
 import remat
-from remat.profile_cache import forget_profiles
-from remat.solver import min_peak_bytes
-from remat.solver.pareto import min_feasible_peak
+from remat.solver import min_peak_bytes, min_peak_bytes_over_heads
 from remat.solver.resolve import no_checkpoint_peak_bytes
+from remat.tune.profile_cache import forget_profiles
 
 PEAK_TOLERANCE = 0.01
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -68,7 +67,7 @@ def profiled(request):
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_measured_peak_stays_within_the_budget(profiled, fraction: float) -> None:
     case, loop, optimizer, profile = profiled
-    lo, hi = min_feasible_peak(profile), no_checkpoint_peak_bytes(profile)
+    lo, hi = min_peak_bytes_over_heads(profile), no_checkpoint_peak_bytes(profile)
     assert lo < hi, "the test model leaves no room to plan"
     budget = lo + int(fraction * (hi - lo))
     try:
@@ -236,7 +235,7 @@ def test_a_verified_plan_records_both_figures_and_round_trips() -> None:
 
 def test_verification_solves_again_for_the_excess(monkeypatch) -> None:
     """A measurement above the budget lowers the budget solved for by the excess."""
-    from remat import verify
+    from remat.tune import verify
 
     case = lm.causal_lm()
     profile = remat.profile(case.model, case.batch, loss_fn=case.loss_fn, repeats=1)
@@ -260,7 +259,7 @@ def test_verification_solves_again_for_the_excess(monkeypatch) -> None:
 
 
 def test_plans_that_stay_over_give_up_with_an_error() -> None:
-    from remat import verify
+    from remat.tune import verify
 
     case = lm.causal_lm()
     profile = remat.profile(case.model, case.batch, loss_fn=case.loss_fn, repeats=1)

@@ -11,7 +11,7 @@ from matplotlib.text import Annotation
 
 import remat
 from remat.models import build
-from remat.plot import frontier_rows
+from remat.plot.pareto import frontier_rows
 
 REF = build("gpt", size="tiny", seed=0, depth=6)
 PROFILE = remat.profile(REF.model, REF.batch)

@@ -1,4 +1,4 @@
-"""No stale profile changes a result (:mod:`remat.profile_cache`).
+"""No stale profile changes a result (:mod:`remat.tune.profile_cache`).
 
 A change the cache's key sees (an attention kernel chosen in the config's private
 attributes, a convolution's stride, torch's kernel flags, a buffer written in place, a
@@ -25,12 +25,12 @@ from torch import nn
 import remat
 from remat.core.bytesize import format_bytes
 from remat.core.errors import InfeasibleBudgetError, ProfileError
-from remat.profile_cache import forget_profiles
 from remat.solver import min_peak_bytes
-from remat.solver.heads import lowest_floor
+from remat.solver.head_choice import lowest_floor
 from remat.solver.resolve import no_checkpoint_peak_bytes
 from remat.solver.solve import solve_profile
-from remat.verify import PREDICTION_TOLERANCE, measure_plan, verified
+from remat.tune.profile_cache import forget_profiles
+from remat.tune.verify import PREDICTION_TOLERANCE, measure_plan, verified
 
 WIDTH = 32
 

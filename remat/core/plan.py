@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from enum import Enum
 from typing import Any
 
 from remat.core.errors import PlanError, PlanMismatchError, RematError
@@ -58,12 +59,22 @@ PLAN_SCHEMA_VERSION = 4
 _READABLE_VERSIONS = (2, 3, 4)
 
 
-class Status:
-    """How good a plan is known to be."""
+class Status(str, Enum):
+    """How good a plan is known to be.
+
+    Members are strings (``Status.OPTIMAL == "optimal"``), as :class:`Option`'s are; a
+    :class:`PlanRecord` holds the plain string.
+    """
 
     OPTIMAL = "optimal"  # proven optimal for its budget
     FEASIBLE = "feasible"  # fits its budget, optimality not proven (heuristics, time limits)
     MANUAL = "manual"  # written by a user, not solved
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
 
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
@@ -188,7 +199,7 @@ class PlanRecord:
 
     def __post_init__(self) -> None:
         checked_str(self.algorithm, "Plan.record.algorithm", PlanError)
-        checked_str(self.status, "Plan.record.status", PlanError)
+        _set(self, "status", str(checked_str(self.status, "Plan.record.status", PlanError)))
         _set(self, "solve_ms", _ms(self.solve_ms, "Plan.record.solve_ms"))
         _check_optional(self, "Plan.record", {
             "predicted_peak_bytes": _bytes, "predicted_time_ms": _ms,
@@ -201,7 +212,7 @@ class PlanRecord:
 
 @dataclass(frozen=True)
 class Verification:
-    """What closed-loop verification (:mod:`remat.verify`) measured of a plan.
+    """What closed-loop verification (:mod:`remat.tune.verify`) measured of a plan.
 
     Attributes:
         rounds: how many plans :func:`remat.solve` measured before this one met the
@@ -370,6 +381,16 @@ class Plan:
             if any(self.options[i] != Option.CHECKPOINT.value for i in range(a, b + 1)):
                 raise PlanMismatchError(f"every unit of segment ({a}, {b}) must be 'checkpoint'")
 
+    def __getattr__(self, name: str) -> Any:
+        # Called only for a name the plan does not have: the fields that moved out of the
+        # flat version-2 plan say where they went (docs/compatibility.md).
+        if name in _V2_DROPPED:
+            raise AttributeError(f"Plan.{name} was removed: plan.target holds what it checked")
+        moved = _MOVED_ATTRIBUTES.get(name)
+        if moved is None:
+            raise AttributeError(f"'Plan' object has no attribute {name!r}")
+        raise AttributeError(f"Plan.{name} moved: use plan.{moved}")
+
     # -- reading it -----------------------------------------------------------------
     @property
     def n(self) -> int:
@@ -516,6 +537,13 @@ _V2_VERIFIED = {"verify_rounds": "rounds", "solved_budget_bytes": "solved_budget
 _V2_COMPILED = {"compiled_peak_bytes": "peak_bytes", "compiled_time_ms": "time_ms",
                 "activation_memory_budget": "activation_memory_budget"}
 _V2_DROPPED = ("fingerprint",)  # never read: its checks are the target's
+# The same fields as attributes: ``plan.predicted_peak_bytes`` -> ``plan.record...``.
+_MOVED_ATTRIBUTES = {
+    **{name: f"target.{name}" for name in _V2_TARGET},
+    **{name: f"record.{name}" for name in _V2_RECORD},
+    **{old: f"verification.{new}" for old, new in _V2_VERIFIED.items()},
+    **{old: f"compiled.{new}" for old, new in _V2_COMPILED.items()},
+}
 
 
 def _from_version_2(d: Mapping[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 The capture pass of the profiler (:mod:`remat.profiler.capture`) replays each unit inside
 the model's forward, under the loop's autocast; a replay opens that autocast itself for
 its forward and runs its backward outside it, as a training loop does. And an entry point
-called inside the user's own ``torch.autocast`` (:mod:`remat.ambient`) plans for that
+called inside the user's own ``torch.autocast`` (:mod:`remat.tune.ambient`) plans for that
 loop but must measure it as declared. Both need the regions open around them closed, not
 merely disabled: ``torch.autocast(enabled=False)`` still counts as a region, and
 autocast keeps its weight casts until the *outermost* region exits, so the casts of

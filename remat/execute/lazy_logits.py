@@ -275,7 +275,7 @@ class DeferredHead:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["module"], state["chunks"],  # type: ignore[misc]
-                      planned=state.get("planned", False))
+                      planned=state["planned"])
 
 
 def deferred_head(head: nn.Linear, chunks: int, *, planned: bool = False) -> DeferredHead:

@@ -23,13 +23,12 @@ The Hugging Face models (``"hf-gpt2"``, ``"hf-bert"``, ``"hf-llama"``) need the
 optional ``transformers`` package.
 
 Modules: :mod:`~remat.models.reference` (what a reference model is),
-:mod:`~remat.models.toy` (mlp, cnn, gpt), :mod:`~remat.models.hf` (the Hugging
+:mod:`~remat.models.toy` (mlp, cnn, gpt), :mod:`~remat.models.transformers_models` (the Hugging
 Face table and its one builder), :mod:`~remat.models.registry` (names, sizes,
 ``build``), :mod:`~remat.models.load` (``--model`` specs) and
-:mod:`~remat.models.demo` (``python -m remat demo``; not imported here).
+:mod:`~remat.cli.demo` (``python -m remat demo``; not imported here).
 """
 
-from remat.models.hf import HFConfig
 from remat.models.load import load_model
 from remat.models.reference import ModelConfig, ReferenceModel, UnknownModelError, param_count
 from remat.models.registry import MODELS, SIZES, build, config_for
@@ -44,6 +43,7 @@ from remat.models.toy import (
     GPTOutput,
     MLPConfig,
 )
+from remat.models.transformers_models import HFConfig
 
 __all__ = [
     "MODELS",

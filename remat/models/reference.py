@@ -1,6 +1,6 @@
 """What every reference model is: :class:`ReferenceModel`, its config base, its errors.
 
-The builders (:mod:`remat.models.toy`, :mod:`remat.models.hf`) return a
+The builders (:mod:`remat.models.toy`, :mod:`remat.models.transformers_models`) return a
 :class:`ReferenceModel`; the registry (:mod:`remat.models.registry`) resolves a
 :class:`ModelConfig` for them.
 """

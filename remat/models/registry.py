@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from remat.models.hf import HF_MODELS, HFConfig, build_hf
 from remat.models.reference import ModelConfig, ReferenceModel, UnknownModelError
 from remat.models.toy import CNNConfig, GPTConfig, MLPConfig, build_cnn, build_gpt, build_mlp
+from remat.models.transformers_models import HF_MODELS, HFConfig, build_hf
 
 __all__ = ["MODELS", "REGISTRY", "SIZES", "Entry", "build", "config_for"]
 

@@ -15,6 +15,7 @@ from solver_testlib import KEEP, all_plans, keep_peak, segment_profiles, transfo
 from remat.core.errors import BudgetError, InfeasibleBudgetError, RematError
 from remat.core.plan import Plan
 from remat.solver import ilp as ilp_module
+from remat.solver import min_peak_bytes_over_heads
 from remat.solver.baselines import (
     chen_groups,
     chen_plan,
@@ -25,7 +26,7 @@ from remat.solver.baselines import (
 from remat.solver.dp import solve_dp
 from remat.solver.ilp import build_cp_model, solve_ilp
 from remat.solver.min_peak import min_peak_bytes
-from remat.solver.pareto import COLUMNS, min_feasible_peak, pareto_frontier
+from remat.solver.pareto import COLUMNS, pareto_frontier
 from remat.solver.simulate import simulate
 from remat.solver.solve import ALGORITHMS, UnknownMethodError, solve_profile
 
@@ -97,7 +98,7 @@ def test_a_heuristic_that_cannot_fit_points_to_optimal() -> None:
 
 @pytest.mark.parametrize("method", ["none", "all", "uniform", "chen", "chen-greedy", "dp"])
 def test_below_the_minimum_every_method_reports_the_true_minimum(method: str) -> None:
-    floor = min_feasible_peak(PROFILE)
+    floor = min_peak_bytes_over_heads(PROFILE)
     with pytest.raises(InfeasibleBudgetError) as err:
         solve_profile(PROFILE, floor - 1, method=method)
     assert err.value.min_feasible_bytes == floor
@@ -163,7 +164,7 @@ def test_pareto_frontier() -> None:
     assert set(baseline.algorithm) >= {"none", "all", "chen", "uniform(k=2)", "uniform(k=4)"}
     assert baseline.budget_bytes.isna().all()
     budgets = optimal.budget_bytes.tolist()
-    assert budgets[0] == min_feasible_peak(PROFILE) and budgets[-1] == keep_peak(PROFILE)
+    assert budgets[0] == min_peak_bytes_over_heads(PROFILE) and budgets[-1] == keep_peak(PROFILE)
     assert (optimal.peak_bytes <= optimal.budget_bytes).all()
     assert optimal.time_ms.is_monotonic_decreasing
     assert optimal.time_ms.iloc[-1] == pytest.approx(PROFILE.step_ms)

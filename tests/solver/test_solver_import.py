@@ -33,7 +33,7 @@ def test_heavy_names_load_on_first_use() -> None:
     loaded = _loaded_after("from remat.solver import solve_ilp")
     assert "ortools" in loaded and not loaded & {"matplotlib", "torch"}
     # The frontier imports pandas only to build its frame.
-    code = ("from remat.solver import pareto_frontier, frontier_plans, min_feasible_peak\n"
+    code = ("from remat.solver import pareto_frontier, frontier_plans, min_peak_bytes_over_heads\n"
             "import sys; assert 'pandas' not in sys.modules")
     assert _loaded_after(code) == set()
 

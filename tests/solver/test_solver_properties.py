@@ -25,6 +25,7 @@ from remat.core.errors import InfeasibleBudgetError
 from remat.core.plan import Plan
 from remat.core.profile import Profile
 from remat.solver import dp as dp_module
+from remat.solver import min_peak_bytes_over_heads
 from remat.solver.baselines import (
     checkpoint_all_plan,
     chen_greedy_plan,
@@ -36,7 +37,6 @@ from remat.solver.dp import solve_dp
 from remat.solver.events import build_model, plan_peak_bytes
 from remat.solver.ilp import solve_ilp
 from remat.solver.min_peak import min_peak_bytes
-from remat.solver.pareto import min_feasible_peak
 from remat.solver.simulate import simulate
 
 SETTINGS = settings(
@@ -72,7 +72,7 @@ def _check_fits(profile: Profile, plan: Plan, budget: int) -> None:
 def test_dp_ilp_and_brute_force_agree(profile: Profile, frac: float) -> None:
     scored = Scored.of(profile)
     event(f"units: {profile.n}, plans: {'<100' if len(scored.plans) < 100 else '>=100'}")
-    assert min_peak_bytes(profile) == min_feasible_peak(profile) == scored.min_peak
+    assert min_peak_bytes(profile) == min_peak_bytes_over_heads(profile) == scored.min_peak
     for budget in _budgets(scored, profile, frac):
         best = scored.best_time(budget)
         if best is None:

@@ -31,7 +31,8 @@ from remat.core.profile import Profile
 from remat.solver.min_peak import min_peak_bytes
 from remat.solver.stamp import stamp_plan
 
-__all__ = ["HEAD_SETTINGS", "chunked_head", "head_choices", "lowest_floor", "solve_over_heads"]
+__all__ = ["HEAD_SETTINGS", "head_choices", "head_decision", "lowest_floor",
+           "min_peak_bytes_over_heads", "solve_over_heads"]
 
 # How a plan may decide the head (see the module docstring).
 HEAD_SETTINGS = ("auto", "chunked", "none")
@@ -51,8 +52,9 @@ def head_choices(profile: Profile) -> tuple[int | None, ...]:
     return (*((None,) if head.as_is else ()), *head.chunk_counts)
 
 
-def chunked_head(profile: Profile, chunks: int | None, why: str = "") -> ChunkedHead | None:
-    """The plan decision for the head of ``profile`` over ``chunks`` chunks."""
+def head_decision(profile: Profile, chunks: int | None, why: str = "") -> ChunkedHead | None:
+    """The plan decision for the head of ``profile`` over ``chunks`` chunks (``None``: the
+    head as written). Not :func:`remat.execute.head.chunked_head`, which runs one."""
     if chunks is None:
         return None
     head = profile.head
@@ -68,6 +70,14 @@ def lowest_floor(profile: Profile) -> tuple[int | None, int]:
               for k, c in enumerate(head_choices(profile))]
     nbytes, _, chunks = min(floors)
     return chunks, nbytes
+
+
+def min_peak_bytes_over_heads(profile: Profile) -> int:
+    """The smallest simulated peak of any plan over every choice of the head measured (as
+    written, and each chunk count), in bytes: :func:`lowest_floor`'s bytes.
+    :func:`~remat.solver.min_peak.min_peak_bytes` is the smallest with the profile's head
+    as it stands."""
+    return lowest_floor(profile)[1]
 
 
 def solve_over_heads(fn: Algorithm, profile: Profile, budget: int | None, *,
@@ -115,7 +125,7 @@ def solve_over_heads(fn: Algorithm, profile: Profile, budget: int | None, *,
             failures.append((chunks, err))
             continue
         if chunks is not None:
-            plan = stamp_plan(profile, plan.with_(head=chunked_head(profile, chunks, why)),
+            plan = stamp_plan(profile, plan.with_(head=head_decision(profile, chunks, why)),
                               algorithm=plan.record.algorithm, status=plan.record.status,
                               budget=budget, start=start)
         if best is None or (plan.record.predicted_time_ms

@@ -4,7 +4,7 @@ What the figure shows: the optimal frontier as a step line (one point per distin
 plan, none that another beats), the baselines as labelled squares, measured points
 as crosses joined by a dotted line to their predictions when the caller gives them,
 and each budget as a dashed, labelled line. Labels are placed by
-:mod:`remat.plot_labels` so that each stays inside the axes and clear of the others;
+:mod:`remat.plot.labels` so that each stays inside the axes and clear of the others;
 the legend sits below the axes.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from remat.core.errors import RematError
-from remat.plot_labels import Label, place_labels
+from remat.plot.labels import Label, place_labels
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -16,12 +16,12 @@ import torch
 
 import remat
 from remat.api import activation_budget
+from remat.cli.output import check_writable, write_atomic
+from remat.cli.report import print_table
 from remat.core.bytesize import format_bytes, mib
 from remat.measurement.runner import forward_loss
 from remat.models.load import load_model
-from remat.output import check_writable, write_atomic
-from remat.report import print_table
-from remat.solver.pareto import min_feasible_peak
+from remat.solver.head_choice import min_peak_bytes_over_heads
 from remat.solver.resolve import no_checkpoint_peak_bytes
 
 __all__ = ["run_demo"]
@@ -43,7 +43,7 @@ def run_demo(*, model_name: str = "gpt", size: str = "small", out_dir: Path = Pa
         f"{mib(no_checkpoint_peak_bytes(profile))} MiB (predicted, not run)"
     )
     budget = activation_budget(profile, 0.5)
-    floor = min_feasible_peak(profile)
+    floor = min_peak_bytes_over_heads(profile)
     if budget < floor:
         print(f"budget: half of the activation memory ({format_bytes(budget)}) is below the "
               f"smallest peak any plan reaches, so the demo uses that: {format_bytes(floor)}\n")

@@ -8,7 +8,7 @@ plan peaks and what the bytes there are; :func:`remedies` predicts, for each rem
 remat has, the smallest peak with it:
 
 * **chunked head**: the head and its loss over chunks of the tokens
-  (:mod:`remat.solver.heads`), where the profile measured it;
+  (:mod:`remat.solver.head_choice`), where the profile measured it;
 * **gradients released**: the optimizer stepped in backward, each parameter as its
   gradient is complete, the gradient freed then (``Loop(optimizer_in_backward=True)``,
   ``remat.optimizer_in_backward``). A change of the loop, not a plan decision: its
@@ -32,11 +32,11 @@ from remat.core.errors import LoopError
 from remat.core.loop import Loop, loop_code
 from remat.core.option import Option
 from remat.core.profile import STEPS_IN_BACKWARD, Profile
-from remat.solver.heads import lowest_floor
+from remat.solver.head_choice import lowest_floor
 from remat.solver.min_peak import min_peak_bytes
 from remat.solver.simulate import Simulation
 
-__all__ = ["Remedy", "checkpointing_only", "floor_cause", "lowest_peak_bytes", "remedies"]
+__all__ = ["Remedy", "checkpointing_only", "floor_cause", "remedies"]
 
 
 @dataclass(frozen=True)
@@ -91,11 +91,6 @@ def checkpointing_only(profile: Profile) -> Profile:
     return replace(profile, head=None, units=tuple(
         replace(u, options={o: c for o, c in u.options.items() if o != Option.OFFLOAD.value})
         for u in profile.units))
-
-
-def lowest_peak_bytes(profile: Profile) -> int:
-    """The smallest peak remat reaches on ``profile``, every remedy it measured included."""
-    return lowest_floor(profile)[1]
 
 
 def remedies(profile: Profile) -> tuple[Remedy, ...]:

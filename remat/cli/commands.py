@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from remat.cli.report import print_table
 from remat.core.bytesize import mib
 from remat.core.errors import RematError
-from remat.report import print_table
 
 DEFAULT_MODEL = "gpt"
 
@@ -95,7 +95,7 @@ class Workload:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from remat.losses import loss_from_spec
+        from remat.cli.losses import loss_from_spec
         from remat.models.load import load_model
 
         model, batch, third, self.label = load_model(args.model, size=args.size)
@@ -143,8 +143,8 @@ def _budget(text: str) -> int | str:
 # --------------------------------------------------------------------------- checks first
 def _preflight(args: argparse.Namespace) -> None:
     """Everything that can be wrong without a profile, checked before profiling starts."""
+    from remat.cli.output import check_figure_format, check_writable
     from remat.core.checks import check_budget_arg, check_count
-    from remat.output import check_figure_format, check_writable
     from remat.solver.solve import check_method
 
     _check_not_empty(args)
@@ -201,7 +201,7 @@ def _load_profile(args: argparse.Namespace) -> tuple[Any, Workload | None, str]:
 
 
 def _write_json(path: str, text: str) -> None:
-    from remat.output import write_atomic
+    from remat.cli.output import write_atomic
 
     write_atomic(path, lambda tmp: Path(tmp).write_text(text))
     print(f"wrote {path}")
@@ -231,7 +231,7 @@ def cmd_solve(args: argparse.Namespace) -> None:
 
     profile, work, label = _load_profile(args)
     if args.compiled:
-        from remat.compiled import solve_compiled
+        from remat.tune.compiled import solve_compiled
 
         assert work is not None  # _preflight refuses --compiled with --profile
         plan = solve_compiled(work.model, work.batch, profile, args.budget, method=args.method,
@@ -270,7 +270,7 @@ def _measure_plan(work: Workload, plan: Any) -> Any:
 
 def cmd_pareto(args: argparse.Namespace) -> None:
     import remat
-    from remat.output import check_figure_format, write_atomic
+    from remat.cli.output import check_figure_format, write_atomic
 
     profile, _, label = _load_profile(args)
     frontier = remat.pareto(profile, points=args.points)
@@ -306,7 +306,7 @@ def cmd_estimate(args: argparse.Namespace) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> None:
     """Profile the default model, solve at a budget, apply, train, measure, plot."""
-    from remat.models.demo import run_demo
+    from remat.cli.demo import run_demo
 
     run_demo(model_name=args.model, size=args.size, out_dir=Path(args.out_dir))
 
