@@ -20,13 +20,12 @@ every plan's time is ``step_ms`` plus its options' extra, an error in the derive
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.core.loop import Loop
 from remat.core.option import Option
 from remat.core.profile import (
     STEPS_IN_BACKWARD,
@@ -37,37 +36,15 @@ from remat.core.profile import (
     UnitProfile,
 )
 from remat.execute.structure import unit_signature
-from remat.profiler.capture import ChainCheck
-from remat.profiler.grads import GradPlaces, StepPlaces
-from remat.profiler.instrument import OutsideStep, UnitInStep
-from remat.profiler.outside_time import OutsideTimes
-from remat.profiler.replay import OptionFigures, UnitTiming
+from remat.profiler.records import (
+    Measurements,
+    OptionFigures,
+    StepPlaces,
+    UnitInStep,
+    UnitTiming,
+)
 
-__all__ = ["Measurements", "build_profile", "input_shapes", "model_dtype"]
-
-
-@dataclass
-class Measurements:
-    """Everything :func:`profile` measured, before it becomes a :class:`Profile`."""
-
-    units: list[tuple[str, nn.Module]]  # execution order
-    chain: ChainCheck
-    base: OutsideStep
-    figures: dict[str, dict[str, OptionFigures]]
-    timings: dict[str, UnitTiming]
-    outside: OutsideTimes
-    grads: GradPlaces
-    fixed_bytes: int
-    param_bytes: int
-    buffer_bytes: int
-    loop: Loop  # always the profiled loop: the default is made once, by loop_or_default
-    batch_bytes: int = 0
-    inputs_kept_by_caller: list[bool] = field(default_factory=list)
-    steps: StepPlaces | None = None  # backward peaks when stepping in backward, per place
-    # What a checkpoint region's recomputation holds besides the units' forwards: per
-    # unit (execution order) its BatchNorm statistics' copies, and torch's RNG stash.
-    recompute_state_bytes: list[int] = field(default_factory=list)
-    recompute_rng_bytes: int = 0
+__all__ = ["build_profile", "input_shapes", "model_dtype"]
 
 
 def input_shapes(batch: Any) -> dict[str, tuple[int, ...]]:

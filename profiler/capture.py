@@ -24,7 +24,6 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,85 +36,12 @@ from remat.execute.autocast import outside_autocast
 from remat.execute.boundary import boundary_input, boundary_output
 from remat.execute.kv_cache import is_kv_cache, warn_kv_cache_once
 from remat.measurement.state import RngState
+from remat.profiler.records import Captured, ChainCheck, UnitCall, UnitTrace
 from remat.profiler.saves import SaveRecord
 
-__all__ = ["Captured", "ChainCheck", "UnitCall", "UnitTrace", "check_chain", "trace_units"]
+__all__ = ["check_chain", "trace_units"]
 
 log = logging.getLogger("remat")
-
-
-@dataclass(frozen=True)
-class Captured:
-    """A unit's input tensor, detached from the graph, and whether it required grad."""
-
-    tensor: torch.Tensor
-    requires_grad: bool
-    boundary: bool = False  # the call's boundary input (:mod:`remat.execute.boundary`)
-
-    def fresh(self) -> torch.Tensor:
-        """A new leaf on the same storage, requiring grad as the original did."""
-        return self.tensor.detach().requires_grad_(self.requires_grad)
-
-
-@dataclass
-class UnitCall:
-    """How one unit was called in the capture pass."""
-
-    name: str
-    module: nn.Module
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    rng: RngState | None = None
-    out_shape: tuple[int, ...] | None = None
-    out_dtype: torch.dtype | None = None
-    out_device: torch.device | None = None
-    out_requires_grad: bool = False
-    calls: int = 0
-    writes_input: bool = False  # a replay found it writes its input in place
-
-    @property
-    def first_input(self) -> Captured | None:
-        """The captured boundary input (``None`` when the call had no tensor argument)."""
-        for leaf in tree_flatten((self.args, self.kwargs))[0]:
-            if isinstance(leaf, Captured) and leaf.boundary:
-                return leaf
-        return None
-
-    def inputs(self, first: torch.Tensor | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Fresh ``(args, kwargs)`` for a replay: ``first`` as the boundary input, new
-        leaves (requiring grad as in the model) for the other tensors."""
-        leaves, spec = tree_flatten((self.args, self.kwargs))
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, Captured):
-                leaves[i] = first if leaf.boundary else leaf.fresh()
-        args, kwargs = tree_unflatten(leaves, spec)
-        return tuple(args), dict(kwargs)
-
-    def release(self) -> None:
-        """Drop the captured inputs (their memory) once the unit is measured."""
-        self.args, self.kwargs = (), {}
-
-
-@dataclass(frozen=True)
-class ChainCheck:
-    """Whether the units form a chain, and if not, why (one line per break)."""
-
-    is_chain: bool
-    breaks: tuple[str, ...] = ()
-
-
-@dataclass
-class UnitTrace:
-    """What the capture pass learned: execution order, calls, chain check, and per unit in
-    order whether the model's code keeps its boundary input alive past the unit's
-    forward (``x = self.stem(x); x = self.blocks(x)`` keeps the stem's output while the
-    blocks run), so that no multi-unit segment may span the link into it (known only
-    when the pass released the captured inputs: else all ``False``)."""
-
-    order: list[str]
-    calls: dict[str, UnitCall]
-    chain: ChainCheck
-    kept_by_caller: list[bool] = field(default_factory=list)
 
 
 def _capture(value: Any, boundary: torch.Tensor | None) -> Any:

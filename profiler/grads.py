@@ -27,27 +27,12 @@ whose backward runs next.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 from torch import nn
 
-from remat.profiler.instrument import ParamGrad, Phase
-from remat.profiler.replay import OptionFigures
+from remat.profiler.records import GradPlaces, OptionFigures, ParamGrad, Phase, StepPlaces
 
-__all__ = ["GradPlaces", "StepPlaces", "place_grads", "place_steps"]
-
-
-@dataclass(frozen=True)
-class GradPlaces:
-    """Parameter-gradient bytes per place: the units (in order), the suffix, the prefix,
-    those summed across phases (``in_flight_bytes``) and, per unit, the code's before it
-    off a chain (``before_units``: 0 for unit 0, whose code is the prefix)."""
-
-    units: tuple[int, ...]
-    suffix_bytes: int
-    prefix_bytes: int
-    in_flight_bytes: int
-    before_units: tuple[int, ...] = ()
+__all__ = ["place_grads", "place_steps"]
 
 
 def _position(phase: Phase, n: int) -> int:
@@ -122,16 +107,6 @@ def place_grads(
         if pid in in_flight or len(positions) > 1:
             extra += nbytes[pid]
     return GradPlaces(tuple(per_unit), suffix, prefix, extra, tuple(before))
-
-
-@dataclass(frozen=True)
-class StepPlaces:
-    """Each phase's backward peak in a loop that steps the optimizer in backward: per unit
-    (in order) per option (``None``: the plain figure stands), the suffix, the prefix."""
-
-    units: tuple[Mapping[str, int | None], ...]
-    suffix_bytes: int
-    prefix_bytes: int
 
 
 def _outside_peak(phase_peak: int, steps: list[tuple[int, int | None]]) -> int:

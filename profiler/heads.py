@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from torch import nn
 
@@ -43,24 +43,15 @@ from remat.execute.structure import unit_signature
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import ModelState
 from remat.profiler.head_check import check_head_rewrite
+from remat.profiler.records import HeadFinding
 
-__all__ = ["HeadFinding", "frugal_forwards", "head_profile", "head_to_measure", "may_measure_head",
-           "model_head"]
+__all__ = ["frugal_forwards", "head_profile", "head_to_measure", "may_measure_head", "model_head"]
 
 log = logging.getLogger("remat")
 
 def may_measure_head(setting: str, loop: Loop) -> bool:
     """Whether ``setting`` lets a head be measured in ``loop`` (see the module docstring)."""
     return setting == "chunked" or (setting == "auto" and not loop.keep_output)
-
-
-@dataclass(frozen=True)
-class HeadFinding:
-    """The head to measure (``site``), or why none is (``refusal``; ``None`` where no head
-    was looked for)."""
-
-    site: HeadSite | None = None
-    refusal: str | None = None
 
 
 def _checked(setting: str, runner: StepRunner, site: HeadSite,

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,138 +48,20 @@ from remat.core.errors import ProfileError
 from remat.execute.boundary import boundary_input, boundary_output
 from remat.measurement.runner import StepRunner, output_tensors
 from remat.measurement.storage import storage_nbytes
+from remat.profiler.records import (
+    OutsideFigures,
+    OutsideStep,
+    ParamGrad,
+    Phase,
+    SharedInStep,
+    UnitInStep,
+)
 from remat.profiler.stub import give_missing_grads, stubbed
 from remat.profiler.timeline import TimelineMeter
 
-__all__ = ["OutsideFigures", "OutsideStep", "ParamGrad", "UnitInStep", "instrumented_step"]
+__all__ = ["instrumented_step"]
 
 log = logging.getLogger("remat")
-
-# Who was running when a storage was saved for backward: ("prefix",), ("unit", i),
-# ("between", i) (code after unit i, off a chain) or ("suffix",).
-Phase = tuple[Any, ...]
-
-
-# ---------------------------------------------------------------------------------
-# What the step gives
-# ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OutsideFigures:
-    """The prefix's or the suffix's bytes in the step, above the fixed bytes."""
-
-    held_bytes: int = 0
-    fwd_peak_bytes: int = 0
-    bwd_peak_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class ParamGrad:
-    """A parameter the outside code gave a gradient in the step: its ``id``, the bytes of
-    its gradient, and the backward phase of its first contribution (``("suffix",)``, or
-    ``("outside", i)``: after unit i's backward, the prefix for i = 0); ``in_flight``: its
-    contributions were summed in a buffer across phases (a tied embedding); ``ready_phase``
-    and ``ready_bytes``: the phase in which ``.grad`` received the sum, and the live bytes
-    then above that phase's start (``None``: not seen)."""
-
-    param_id: int
-    nbytes: int
-    phase: Phase
-    in_flight: bool = False
-    ready_phase: Phase | None = None
-    ready_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class UnitInStep:
-    """One unit as the step saw it: its boundaries, who holds them, its gradients.
-
-    ``input_bytes`` / ``output_bytes`` are 0 for a boundary whose storage was not
-    allocated during the step (a tensor of the sample batch): it is alive all along
-    and not part of the measured peak.
-
-    Attributes:
-        input_bytes, output_bytes: its boundary storages' bytes.
-        input_held_outside, output_held_outside: code outside the unit (and, on a
-            chain, outside its neighbour) saved that storage for backward.
-        input_is_prev_output: its input storage is the previous unit's output storage.
-        input_grad_kept_until: off a chain, the unit through whose backward the code
-            before this one kept its input's gradient (``-1``: the prefix); ``None``:
-            consumed at once (``UnitProfile.input_grad_kept_until``).
-        before_held_bytes, before_fwd_peak_bytes, before_bwd_peak_bytes: off a chain,
-            the code between the previous unit and this one: what it holds for backward,
-            its forward peak above the previous unit's end less that, and its backward
-            peak above this unit's input gradient being ready
-            (``UnitProfile.before_held_bytes``...); 0 for the first unit and on a chain.
-    """
-
-    input_bytes: int
-    output_bytes: int
-    input_held_outside: bool
-    output_held_outside: bool
-    input_is_prev_output: bool
-    input_grad_kept_until: int | None = None
-    before_held_bytes: int = 0
-    before_fwd_peak_bytes: int = 0
-    before_bwd_peak_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class SharedInStep:
-    """A storage handed to units besides their boundary input (a mask, a position bias).
-
-    Attributes:
-        nbytes: its bytes.
-        born_after: ``-1`` when the prefix made it, else the unit in (or after) whose
-            forward it was made.
-        users: the units it was handed to, in forward order.
-        held_to_end: code outside the units (the prefix, code between units) saved it
-            for backward, or it outlived the step.
-        grad_bytes: the bytes of its gradient, when it requires one (0 otherwise).
-        maker_output: it is unit ``born_after``'s boundary output.
-    """
-
-    nbytes: int
-    born_after: int
-    users: tuple[int, ...]
-    held_to_end: bool
-    grad_bytes: int = 0
-    maker_output: bool = False
-
-
-@dataclass(frozen=True)
-class OutsideStep:
-    """Byte figures of the outside code and the unit boundaries, from the outside step.
-
-    All bytes are above the fixed bytes. Storages in ``shared`` are in no other
-    figure: not in the prefix's, the suffix's or a unit's held bytes, nor in the
-    suffix's forward peak. With a loop that keeps the model's output, the output's
-    storages are ``output_bytes`` and not in the prefix's or the suffix's, except the
-    last unit's output when it is the model's (``last_output_kept``).
-    """
-
-    units: tuple[UnitInStep, ...]
-    is_chain: bool
-    prefix: OutsideFigures
-    suffix: OutsideFigures
-    peak_bytes: int
-    held_after_forward_bytes: int
-    forward_transient_bytes: int
-    loss_bytes: int
-    phase_ms: Mapping[str, float] = field(default_factory=dict)
-    loss_storage_bytes: int = 0
-    output_bytes: int = 0
-    last_output_kept: bool = False
-    shared: tuple[SharedInStep, ...] = ()
-    param_grads: tuple[ParamGrad, ...] = ()
-    # The units whose input died during the suffix's forward (a local of the model's
-    # held it), and the suffix's forward peak were they all saved by the units' options
-    # (see where it is computed).
-    units_inputs_dying: tuple[int, ...] = ()
-    suffix_fwd_peak_inputs_held: int = 0
-
-    @property
-    def n(self) -> int:
-        return len(self.units)
 
 
 # ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ fit is it an error.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -27,34 +27,19 @@ from remat.execute.head import HeadSite, chunk_counts, chunked_head
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import ModelState, clear_grads
 from remat.measurement.timing import Stopwatch
-from remat.profiler.grads import GradPlaces, StepPlaces, place_grads, place_steps
-from remat.profiler.instrument import OutsideStep, instrumented_step
-from remat.profiler.outside_time import OutsideTimes, time_outside
-from remat.profiler.replay import OptionFigures
+from remat.profiler.grads import place_grads, place_steps
+from remat.profiler.instrument import instrumented_step
+from remat.profiler.outside_time import time_outside
+from remat.profiler.records import (
+    OptionFigures,
+    OutsideRun,
+    OutsideTimes,
+    TimedRuns,
+)
 
-__all__ = ["OutsideRun", "TimedRuns", "measure_outside"]
+__all__ = ["measure_outside"]
 
 log = logging.getLogger("remat")
-
-
-@dataclass(frozen=True)
-class OutsideRun:
-    """The outside code measured with the head over ``chunks`` chunks (``None``: as it is)."""
-
-    chunks: int | None
-    step: OutsideStep
-    times: OutsideTimes
-    grads: GradPlaces
-    steps: StepPlaces
-
-
-@dataclass(frozen=True)
-class TimedRuns:
-    """How the stub steps are timed: ``profile()``'s ``warmup``, ``repeats``, ``tolerance``."""
-
-    warmup: int
-    repeats: int
-    tolerance: float
 
 
 def measure_outside(

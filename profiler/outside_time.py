@@ -17,9 +17,6 @@ timed as the loop runs them (the whole optimizer step, or one per parameter).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
 from torch import nn
 
 from remat.core.errors import ArgumentError
@@ -29,31 +26,10 @@ from remat.measurement.runner import StepRunner
 from remat.measurement.state import ModelState, clear_grads
 from remat.measurement.storage import optimizer_state_bytes
 from remat.measurement.timing import Stopwatch, median, parts_settled
+from remat.profiler.records import OutsideTimes
 from remat.profiler.stub import give_missing_grads, stubbed
 
-__all__ = ["OutsideTimes", "time_outside"]
-
-
-@dataclass(frozen=True)
-class OutsideTimes:
-    """Medians over the timed stub steps, in milliseconds, and the optimizer's figures.
-
-    ``forward_ms`` / ``backward_ms``: one micro-batch's outside code (the stubs' own time
-    taken out); ``optimizer_ms``: ``optimizer.step()`` and ``zero_grad`` (or every
-    parameter's own step, in a loop that steps in backward);
-    ``optimizer_state_bytes`` / ``optimizer_step_peak_bytes``: see the module docstring;
-    ``param_step_peaks``: per ``id(parameter)``, the peak of its own step above the bytes
-    alive when it starts; ``param_steps``: ``"measured"``, or why not (no optimizer, one
-    that cannot be split per parameter).
-    """
-
-    forward_ms: float
-    backward_ms: float
-    optimizer_ms: float
-    optimizer_state_bytes: int = 0
-    optimizer_step_peak_bytes: int = 0
-    param_step_peaks: Mapping[int, int] = field(default_factory=dict)
-    param_steps: str = "no optimizer"
+__all__ = ["time_outside"]
 
 
 def _param_steps(runner: StepRunner) -> tuple[ParamSteps | None, str]:

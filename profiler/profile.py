@@ -64,16 +64,16 @@ from remat.measurement.runner import LossFn, StepRunner, model_device
 from remat.measurement.state import ModelState, clear_grads, training_session
 from remat.measurement.storage import batch_bytes, fixed_bytes, storage_bytes
 from remat.measurement.timing import Stopwatch
-from remat.profiler.assemble import Measurements, build_profile, input_shapes, model_dtype
+from remat.profiler.assemble import build_profile, input_shapes, model_dtype
 from remat.profiler.capture import ops_between_units, trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
 from remat.profiler.heads import frugal_forwards, head_profile, head_to_measure, model_head
-from remat.profiler.outside import TimedRuns, measure_outside
+from remat.profiler.outside import measure_outside
 from remat.profiler.progress import Progress
-from remat.profiler.replay import OptionFigures
+from remat.profiler.records import Measurements, OptionFigures, TimedRuns, TimingPolicy
 from remat.profiler.saves import record_saves
-from remat.profiler.unit_figures import TimingPolicy, UnitMeasurer
+from remat.profiler.unit_figures import UnitMeasurer
 from remat.profiler.units import UnitsSpec, discover_units
 
 __all__ = ["default_options", "profile", "profile_levels"]

@@ -49,7 +49,7 @@ from remat.measurement.runner import StepRunner
 from remat.measurement.state import clear_grads
 from remat.measurement.storage import storage_nbytes
 from remat.measurement.timing import Stopwatch, median, parts_settled
-from remat.profiler.capture import UnitCall
+from remat.profiler.records import OptionFigures, UnitCall, UnitTiming
 from remat.profiler.released import released_curve
 from remat.profiler.timeline import TimelineMeter
 
@@ -57,9 +57,7 @@ __all__ = [
     "OPTION_ERRORS",
     "OptionFailure",
     "OptionRunFailed",
-    "OptionFigures",
     "TimingSamples",
-    "UnitTiming",
     "measure_option",
     "time_unit",
 ]
@@ -83,36 +81,6 @@ class _OutputGradSource(torch.autograd.Function):
     def backward(ctx, _grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
         shape, dtype, device = ctx.spec
         return torch.ones(shape, dtype=dtype, device=device)
-
-
-@dataclass(frozen=True)
-class OptionFigures:
-    """One option's measured bytes for one unit (see the module docstring)."""
-
-    held_bytes: int
-    holds_input: bool
-    holds_output: bool
-    fwd_peak_bytes: int
-    bwd_peak_bytes: int
-    input_grad_bytes: int
-    forward_cache_bytes: int = 0  # freed when the loop's autocast region ends
-    # ids of the parameters its backward gave a gradient (the unit's own, and any other)
-    params_trained: frozenset[int] = frozenset()
-    # With each of the unit's parameter gradients freed once complete: the backward's peak
-    # (None: no parameter of the unit got one), and per parameter (its index among the
-    # unit's parameters: the same for twins) the live bytes when it was complete; both
-    # above the backward's start, as bwd_peak_bytes.
-    released_bwd_peak_bytes: int | None = None
-    grads_ready: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class UnitTiming:
-    """Median times of the isolated replays, in milliseconds, per option."""
-
-    fwd_ms: dict[str, float]
-    bwd_ms: dict[str, float]
-    total_ms: dict[str, float]
 
 
 def _fresh_input(call: UnitCall, *, clone: bool

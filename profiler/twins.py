@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from remat.profiler.capture import Captured, UnitCall
+from remat.profiler.records import Captured, UnitCall
 
 __all__ = ["signature"]
 

@@ -35,38 +35,25 @@ from remat.core.option import Option
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import clear_grads
 from remat.measurement.timing import Stopwatch
-from remat.profiler.capture import UnitCall
 from remat.profiler.progress import Progress
+from remat.profiler.records import OptionFigures, TimingPolicy, UnitCall, UnitTiming
 from remat.profiler.replay import (
     OPTION_ERRORS,
     OptionFailure,
-    OptionFigures,
     OptionRunFailed,
     TimingSamples,
-    UnitTiming,
     measure_option,
     time_unit,
 )
 from remat.profiler.twins import signature
 
-__all__ = ["TimingPolicy", "UnitMeasurer"]
+__all__ = ["UnitMeasurer"]
 
 
 def _raise(error: BaseException) -> None:
     raise error
 
 log = logging.getLogger("remat")
-
-
-@dataclass(frozen=True)
-class TimingPolicy:
-    """How units are timed: un-timed rounds first, at most ``repeats`` timed rounds,
-    early stop within ``tolerance``, twins measured once or not."""
-
-    warmup: int
-    repeats: int
-    tolerance: float
-    pool_twins: bool
 
 
 def _bytes_only(figures: Mapping[str, OptionFigures]) -> dict[str, OptionFigures]:
