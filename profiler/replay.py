@@ -37,7 +37,7 @@ import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -63,6 +63,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("remat")
+
+_R = TypeVar("_R")  # what a replay gives: its figures, or its times
 
 
 class _OutputGradSource(torch.autograd.Function):
@@ -104,9 +106,48 @@ def _fresh_input(call: UnitCall, *, clone: bool
     return (first.tensor.clone() if clone else first.tensor), None
 
 
+@dataclass
+class _Operands:
+    """One replay's inputs, made before any meter region (so that the first input is a
+    boundary, not held bytes). They are referenced from here alone: once the forward has
+    run, :meth:`drop` lets them go, and weak references tell what the unit kept."""
+
+    first: torch.Tensor | None
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def drop(self) -> None:
+        self.first, self.args, self.kwargs = None, (), {}
+
+
+def _operands(call: UnitCall, runner: StepRunner, *, clone: bool
+              ) -> tuple[_Operands, torch.Tensor | None]:
+    """The inputs of one replay of ``call`` (its RNG state put back, no gradient alive),
+    and the leaf that collects its first input's gradient (see :func:`_fresh_input`)."""
+    call.rng.restore()
+    clear_grads(runner.params)
+    first, leaf = _fresh_input(call, clone=clone)
+    args, kwargs = call.inputs(first)
+    return _Operands(first, args, kwargs), leaf
+
+
 def _writes_its_leaf_input(err: RuntimeError) -> bool:
     """torch refusing an in-place write into the replay's leaf input."""
     return "leaf Variable that requires grad" in str(err)
+
+
+def _cloning_where_refused(call: UnitCall, runner: StepRunner, clone: bool,
+                           replay: Callable[[bool], _R]) -> _R:
+    """``replay(clone)``; where torch refuses the unit an in-place write into its leaf
+    input, again on a clone, and ``call.writes_input`` set so later replays clone at once."""
+    try:
+        return replay(clone)
+    except RuntimeError as err:
+        if clone or not _writes_its_leaf_input(err):
+            raise
+        clear_grads(runner.params)
+        call.writes_input = True
+        return replay(True)
 
 
 def _saved_storages() -> tuple[set[int], Any]:
@@ -120,6 +161,11 @@ def _saved_storages() -> tuple[set[int], Any]:
         return t
 
     return saved, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _backward_seed(y: torch.Tensor | None) -> torch.Tensor | None:
+    """The scalar whose backward hands ``y`` its gradient (``None``: ``y`` needs none)."""
+    return _OutputGradSource.apply(y) if y is not None and y.requires_grad else None
 
 
 def _root_grad(y: torch.Tensor) -> torch.Tensor:
@@ -146,92 +192,129 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
     region kept alive (its cache of weight casts) is ``forward_cache_bytes``.
     """
     clone = call.writes_input or option == Option.OFFLOAD.value
-    try:
-        return _measure_option(call, option, runner, clone=clone)
-    except RuntimeError as err:
-        if clone or not _writes_its_leaf_input(err):
-            raise
-        clear_grads(runner.params)
-        call.writes_input = True
-        return _measure_option(call, option, runner, clone=True)
+    return _cloning_where_refused(
+        call, runner, clone, lambda c: _measure_option(call, option, runner, clone=c))
+
+
+@dataclass
+class _AfterForward:
+    """What the metered forward leaves: what starts the backward (``seed`` and
+    ``root_grad``, let go of once it ran) and the forward's own figures."""
+
+    seed: torch.Tensor | None
+    root_grad: torch.Tensor | None
+    output_grad_bytes: int  # the gradient the seed hands the unit's output
+    held: int  # live after the forward, less the output's storage
+    cache_bytes: int  # what only the autocast region kept alive
+    holds_input: bool
+    holds_output: bool
 
 
 def _measure_option(call: UnitCall, option: str, runner: StepRunner, *,
                     clone: bool) -> OptionFigures:
-    module, params, autocast = call.module, runner.params, runner.autocast
-    call.rng.restore()
-    clear_grads(params)
-    x_in, leaf = _fresh_input(call, clone=clone)
-    args, kwargs = call.inputs(x_in)
+    """One metered replay (:func:`measure_option`): its marks are "start", "forward",
+    "backward start" and "backward", read off once the region has ended."""
+    operands, leaf = _operands(call, runner, clone=clone)
     with TimelineMeter(device_type=runner.device_type, allocator=True) as meter:
         begin = len(meter.marks)
         meter.mark("start")
-        # On the live input's storage, whether the unit holds it is what it saved: keep
-        # saves what autograd saves (recorded here); checkpoint and selective hold every
-        # tensor argument for their recomputation. On a copy, a weak reference tells.
-        saved, recording = _saved_storages()
-        with autocast(), (recording if option == Option.KEEP.value and not clone
-                          else contextlib.nullcontext()):
-            out = forward_with_option(module, option, module.forward, args, kwargs)
-            in_region = meter.live_bytes
-        cache_bytes = in_region - meter.live_bytes
-        meter.mark("forward")
-        y = boundary_output(out)
-        del out  # other outputs die unless the unit saved them
-        counted = meter.record_of(y) is not None
-        held = meter.live_bytes - (storage_nbytes(y) if counted else 0)
-        seed = _OutputGradSource.apply(y) if y is not None and y.requires_grad else None
-        grad_bytes = y.numel() * y.element_size() if seed is not None else 0
-        # A scalar; live before the backward starts, so not in its rise (a step's loss
-        # gradient is not the unit's).
-        root_grad = _root_grad(y) if y is not None else None
-        y_ref, x_ref = _storage_ref(y), _storage_ref(x_in)
-        x_storage = id(x_in.untyped_storage()) if x_in is not None and not clone else None
-        del y, x_in, args, kwargs
-        holds_output = _alive(y_ref)
-        if clone or x_storage is None:
-            holds_input = _alive(x_ref)
-        else:
-            holds_input = (x_storage in saved if option == Option.KEEP.value
-                           else Option(option).recomputes)
-        meter.mark("backward start")
-        # index among the unit's parameters -> (its gradient's record, tick it was complete)
-        ready: dict[int, tuple[int | None, int]] = {}
-
-        def when_ready(k: int) -> Callable[[torch.Tensor], None]:
-            def hook(param: torch.Tensor) -> None:
-                ready.setdefault(k, (meter.record_of(param.grad), meter.clock))
-            return hook
-
-        hooks = [p.register_post_accumulate_grad_hook(when_ready(k))
-                 for k, p in enumerate(module.parameters()) if p.requires_grad]
-        try:
-            if seed is not None:
-                seed.backward(root_grad)
-                del seed
-        finally:
-            for hook in hooks:
-                hook.remove()
-        meter.mark("backward")
+        forward = _metered_forward(meter, call.module, option, runner, operands, clone=clone)
+        ready = _metered_backward(meter, call.module, forward)
         input_grad = storage_nbytes(leaf.grad) if leaf is not None else 0
-        del leaf, root_grad
-        trained = frozenset(id(p) for p in params if p.grad is not None)
-        clear_grads(params)
+        del leaf
+        forward.root_grad = None
+        trained = frozenset(id(p) for p in runner.params if p.grad is not None)
+        clear_grads(runner.params)
     # Read once the region has ended: the allocator's view is complete then.
-    bwd_rise = meter.rise(begin + 2, begin + 3)
+    return _option_figures(meter, begin, forward, ready, input_grad=input_grad,
+                           trained=trained)
+
+
+def _metered_forward(meter: TimelineMeter, module: torch.nn.Module, option: str,
+                     runner: StepRunner, operands: _Operands, *, clone: bool) -> _AfterForward:
+    """The forward under ``option``, marked "forward" where it ends; ``operands`` are
+    dropped once it ran, so that whether the unit holds its input and output is what it
+    kept of them."""
+    keep = option == Option.KEEP.value
+    # On the live input's storage, whether the unit holds it is what it saved: keep
+    # saves what autograd saves (recorded here); checkpoint and selective hold every
+    # tensor argument for their recomputation. On a copy, a weak reference tells.
+    saved, recording = _saved_storages()
+    with runner.autocast(), (recording if keep and not clone else contextlib.nullcontext()):
+        out = forward_with_option(module, option, module.forward, operands.args,
+                                  operands.kwargs)
+        in_region = meter.live_bytes
+    cache_bytes = in_region - meter.live_bytes
+    meter.mark("forward")
+    y = boundary_output(out)
+    del out  # other outputs die unless the unit saved them
+    counted = meter.record_of(y) is not None
+    held = meter.live_bytes - (storage_nbytes(y) if counted else 0)
+    seed = _backward_seed(y)
+    grad_bytes = y.numel() * y.element_size() if seed is not None else 0
+    # A scalar; live before the backward starts, so not in its rise (a step's loss
+    # gradient is not the unit's).
+    root_grad = _root_grad(y) if y is not None else None
+    x = operands.first
+    y_ref, x_ref = _storage_ref(y), _storage_ref(x)
+    x_storage = id(x.untyped_storage()) if x is not None and not clone else None
+    del y, x
+    operands.drop()
+    holds_output = _alive(y_ref)
+    if clone or x_storage is None:
+        holds_input = _alive(x_ref)
+    else:
+        holds_input = x_storage in saved if keep else Option(option).recomputes
+    return _AfterForward(seed, root_grad, grad_bytes, held, cache_bytes, holds_input,
+                         holds_output)
+
+
+def _metered_backward(meter: TimelineMeter, module: torch.nn.Module,
+                      forward: _AfterForward) -> dict[int, tuple[int | None, int]]:
+    """The backward, between the marks "backward start" and "backward"; per index among
+    the unit's parameters, its gradient's record and the tick it was complete at (what
+    :func:`released_curve` frees it at)."""
+    meter.mark("backward start")
+    ready: dict[int, tuple[int | None, int]] = {}
+
+    def when_ready(k: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            ready.setdefault(k, (meter.record_of(param.grad), meter.clock))
+        return hook
+
+    hooks = [p.register_post_accumulate_grad_hook(when_ready(k))
+             for k, p in enumerate(module.parameters()) if p.requires_grad]
+    try:
+        if forward.seed is not None:
+            forward.seed.backward(forward.root_grad)
+            forward.seed = None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    meter.mark("backward")
+    return ready
+
+
+def _option_figures(meter: TimelineMeter, begin: int, forward: _AfterForward,
+                    ready: dict[int, tuple[int | None, int]], *, input_grad: int,
+                    trained: frozenset[int]) -> OptionFigures:
+    """The figures of a metered replay whose marks start at ``begin``."""
+    fwd_end, bwd_start, bwd_end = begin + 1, begin + 2, begin + 3
+    grad_bytes = forward.output_grad_bytes
+    bwd_rise = meter.rise(bwd_start, bwd_end)
     released = released_curve(meter, meter.ticks["backward start"], meter.ticks["backward"],
                               ready)
     # What the allocator saw above the dispatch level (kernels' scratch) counts here too.
-    dispatch_rise = meter.peak_between(begin + 2, begin + 3) - meter.marks[begin + 2].live_bytes
+    dispatch_rise = meter.peak_between(bwd_start, bwd_end) - meter.marks[bwd_start].live_bytes
     scratch = max(bwd_rise - dispatch_rise, 0)
     return OptionFigures(
-        held_bytes=max(held, 0) + meter.hidden_held(begin, begin + 2),
-        holds_input=holds_input,
-        holds_output=holds_output,
-        fwd_peak_bytes=meter.rise(begin, begin + 1),
+        held_bytes=max(forward.held, 0) + meter.hidden_held(begin, bwd_start),
+        holds_input=forward.holds_input,
+        holds_output=forward.holds_output,
+        fwd_peak_bytes=meter.rise(begin, fwd_end),
         bwd_peak_bytes=max(bwd_rise - grad_bytes, 0),
         input_grad_bytes=input_grad,
-        forward_cache_bytes=max(cache_bytes, 0),
+        forward_cache_bytes=max(forward.cache_bytes, 0),
         params_trained=trained,
         released_bwd_peak_bytes=(
             max(released.peak_bytes - released.start_bytes - grad_bytes, 0) + scratch
@@ -358,34 +441,27 @@ class OptionRunFailed(Exception):
 def _timed_replay(call: UnitCall, option: str, runner: StepRunner,
                   watch: Stopwatch) -> tuple[float, float]:
     """One timed replay of ``call`` under ``option``: its forward and backward times."""
-    try:
-        return _timed_run(call, option, runner, watch, clone=call.writes_input)
-    except RuntimeError as err:
-        if call.writes_input or not _writes_its_leaf_input(err):
-            raise
-        clear_grads(runner.params)
-        call.writes_input = True
-        return _timed_run(call, option, runner, watch, clone=True)
+    return _cloning_where_refused(
+        call, runner, call.writes_input,
+        lambda clone: _timed_run(call, option, runner, watch, clone=clone))
 
 
 def _timed_run(call: UnitCall, option: str, runner: StepRunner, watch: Stopwatch, *,
                clone: bool) -> tuple[float, float]:
     module, autocast = call.module, runner.autocast
-    call.rng.restore()
-    clear_grads(runner.params)
-    x_in, leaf = _fresh_input(call, clone=clone)
-    args, kwargs = call.inputs(x_in)
-    del x_in
+    operands, leaf = _operands(call, runner, clone=clone)
+    operands.first = None  # the arguments hold it
 
-    def forward(a: tuple = args, k: dict = kwargs) -> Any:
+    def forward() -> Any:
         with autocast():
-            return forward_with_option(module, option, module.forward, a, k)
+            return forward_with_option(module, option, module.forward, operands.args,
+                                       operands.kwargs)
 
     out, f_ms = watch.time(forward)
-    del args, kwargs
+    operands.drop()
     y = boundary_output(out)
     del out
-    seed = _OutputGradSource.apply(y) if y is not None and y.requires_grad else None
+    seed = _backward_seed(y)
     root_grad = _root_grad(y) if seed is not None else None
     del y
     b_ms = 0.0
