@@ -39,6 +39,7 @@ from remat.execute.structure import unit_signature
 from remat.profiler.records import (
     Measurements,
     OptionFigures,
+    OutsideStep,
     StepPlaces,
     UnitInStep,
     UnitTiming,
@@ -169,62 +170,22 @@ def build_profile(
 ) -> Profile:
     """The :class:`Profile` of measurements ``m`` (see the module docstring for times)."""
     base = m.base
-    in_step = _dedupe_shared_boundaries(
-        base.units, [m.figures[n][Option.KEEP].holds_input for n, _ in m.units], m.chain.is_chain
-    )
-    kept = m.inputs_kept_by_caller or [False] * len(m.units)
-    stashed = m.recompute_state_bytes or [0] * len(m.units)
-    steps = m.steps or StepPlaces(tuple({} for _ in m.units), base.suffix.bwd_peak_bytes,
-                                  base.prefix.bwd_peak_bytes)
-    before = m.grads.before_units or (0,) * len(m.units)
-    units = [
-        replace(_unit_profile(name, module, in_step[i], m.figures[name], m.timings[name],
-                              m.grads.units[i], steps.units[i]),
-                input_kept_by_caller=kept[i], before_param_grad_bytes=before[i],
-                recompute_state_bytes=stashed[i])
-        for i, (name, module) in enumerate(m.units)
-    ]
-    outside = m.outside
-    fwd_ms = _split(outside.forward_ms, {
-        "prefix": base.phase_ms["prefix_fwd"] + base.phase_ms["between_fwd"],
-        "suffix": base.phase_ms["suffix_fwd"],
-    })
-    bwd_ms = _split(outside.backward_ms, {
-        "prefix": base.phase_ms["prefix_bwd"],
-        "suffix": base.phase_ms["suffix_bwd"],
-    })
-    micro_batch_ms = (outside.forward_ms + outside.backward_ms
-                      + sum(u.fwd_ms + u.bwd_ms for u in units))
-    step_ms = m.loop.accumulation_steps * micro_batch_ms + outside.optimizer_ms
+    steps = _step_places(m)
+    units = _unit_profiles(m, steps)
+    prefix, suffix = _outside_costs(m, steps)
     return Profile(
         units=tuple(units),
         is_chain=m.chain.is_chain,
-        prefix=OutsideCost(
-            held_bytes=base.prefix.held_bytes,
-            fwd_peak_bytes=max(base.prefix.fwd_peak_bytes, 0),
-            bwd_peak_bytes=max(base.prefix.bwd_peak_bytes, 0),
-            param_grad_bytes=m.grads.prefix_bytes,
-            fwd_ms=fwd_ms["prefix"],
-            bwd_ms=bwd_ms["prefix"],
-            stepped_bwd_peak_bytes=max(steps.prefix_bytes, 0),
-        ),
-        suffix=OutsideCost(
-            held_bytes=base.suffix.held_bytes,
-            fwd_peak_bytes=_suffix_fwd_peak(m),
-            bwd_peak_bytes=max(base.suffix.bwd_peak_bytes, 0),
-            param_grad_bytes=m.grads.suffix_bytes,
-            fwd_ms=fwd_ms["suffix"],
-            bwd_ms=bwd_ms["suffix"],
-            stepped_bwd_peak_bytes=max(steps.suffix_bytes, 0),
-        ),
+        prefix=prefix,
+        suffix=suffix,
         param_bytes=m.param_bytes,
         buffer_bytes=m.buffer_bytes,
-        optimizer_state_bytes=outside.optimizer_state_bytes,
+        optimizer_state_bytes=m.outside.optimizer_state_bytes,
         loss_bytes=base.loss_bytes,
-        optimizer_step_peak_bytes=outside.optimizer_step_peak_bytes,
+        optimizer_step_peak_bytes=m.outside.optimizer_step_peak_bytes,
         batch_bytes=m.batch_bytes,
         recompute_rng_bytes=m.recompute_rng_bytes,
-        step_ms=step_ms,
+        step_ms=_step_ms(m, units),
         device=str(device),
         dtype=dtype,
         input_shapes=dict(shapes),
@@ -234,22 +195,100 @@ def build_profile(
         grad_in_flight_bytes=m.grads.in_flight_bytes,
         carried_bytes=(base.loss_storage_bytes + base.output_bytes
                        + (units[-1].output_bytes if base.last_output_kept else 0)),
-        shared=tuple(
-            SharedTensor(t.nbytes, min(t.born_after, t.users[0] - 1), t.users[0], t.held_to_end,
-                         last_user=t.users[-1], grad_bytes=t.grad_bytes,
-                         maker_output=t.maker_output and t.born_after < t.users[0])
-            for t in base.shared
-        ),
-        meta={
-            **meta,
-            "outside_step_peak_bytes": m.fixed_bytes + base.peak_bytes,
-            "held_after_forward_bytes": base.held_after_forward_bytes,
-            "forward_transient_bytes": base.forward_transient_bytes,
-            "step_ms": "derived",
-            "no_checkpoint_peak": "predicted",
-            "chain_breaks": list(m.chain.breaks),
-            # Whether each parameter's own step was metered (what stepping the optimizer
-            # in backward adds), or why not.
-            STEPS_IN_BACKWARD: outside.param_steps,
-        },
+        shared=_shared_tensors(base),
+        meta=_meta(m, meta),
     )
+
+
+def _step_places(m: Measurements) -> StepPlaces:
+    """Each phase's backward peak when stepping in backward; where those were not placed,
+    each phase's plain peak stands for it."""
+    return m.steps or StepPlaces(tuple({} for _ in m.units), m.base.suffix.bwd_peak_bytes,
+                                 m.base.prefix.bwd_peak_bytes)
+
+
+def _unit_profiles(m: Measurements, steps: StepPlaces) -> list[UnitProfile]:
+    """The units in execution order: their replays' figures on the boundaries the
+    outside step saw (each shared boundary counted once)."""
+    in_step = _dedupe_shared_boundaries(
+        m.base.units, [m.figures[n][Option.KEEP].holds_input for n, _ in m.units],
+        m.chain.is_chain)
+    kept = m.inputs_kept_by_caller or [False] * len(m.units)
+    stashed = m.recompute_state_bytes or [0] * len(m.units)
+    before = m.grads.before_units or (0,) * len(m.units)
+    return [
+        replace(_unit_profile(name, module, in_step[i], m.figures[name], m.timings[name],
+                              m.grads.units[i], steps.units[i]),
+                input_kept_by_caller=kept[i], before_param_grad_bytes=before[i],
+                recompute_state_bytes=stashed[i])
+        for i, (name, module) in enumerate(m.units)
+    ]
+
+
+def _outside_costs(m: Measurements, steps: StepPlaces) -> tuple[OutsideCost, OutsideCost]:
+    """The prefix's and the suffix's costs; their times split the outside code's in the
+    proportions the outside step showed (code between units counts as prefix)."""
+    base, outside = m.base, m.outside
+    fwd_ms = _split(outside.forward_ms, {
+        "prefix": base.phase_ms["prefix_fwd"] + base.phase_ms["between_fwd"],
+        "suffix": base.phase_ms["suffix_fwd"],
+    })
+    bwd_ms = _split(outside.backward_ms, {
+        "prefix": base.phase_ms["prefix_bwd"],
+        "suffix": base.phase_ms["suffix_bwd"],
+    })
+    prefix = OutsideCost(
+        held_bytes=base.prefix.held_bytes,
+        fwd_peak_bytes=max(base.prefix.fwd_peak_bytes, 0),
+        bwd_peak_bytes=max(base.prefix.bwd_peak_bytes, 0),
+        param_grad_bytes=m.grads.prefix_bytes,
+        fwd_ms=fwd_ms["prefix"],
+        bwd_ms=bwd_ms["prefix"],
+        stepped_bwd_peak_bytes=max(steps.prefix_bytes, 0),
+    )
+    suffix = OutsideCost(
+        held_bytes=base.suffix.held_bytes,
+        fwd_peak_bytes=_suffix_fwd_peak(m),
+        bwd_peak_bytes=max(base.suffix.bwd_peak_bytes, 0),
+        param_grad_bytes=m.grads.suffix_bytes,
+        fwd_ms=fwd_ms["suffix"],
+        bwd_ms=bwd_ms["suffix"],
+        stepped_bwd_peak_bytes=max(steps.suffix_bytes, 0),
+    )
+    return prefix, suffix
+
+
+def _step_ms(m: Measurements, units: list[UnitProfile]) -> float:
+    """The loop's optimizer step, derived: ``accumulation_steps`` micro-batches (the
+    outside code's time and every unit's keep forward and backward) and the optimizer's."""
+    outside = m.outside
+    micro_batch_ms = (outside.forward_ms + outside.backward_ms
+                      + sum(u.fwd_ms + u.bwd_ms for u in units))
+    return m.loop.accumulation_steps * micro_batch_ms + outside.optimizer_ms
+
+
+def _shared_tensors(base: OutsideStep) -> tuple[SharedTensor, ...]:
+    """The storages handed to units besides their boundary input, as the profile keeps
+    them: made no later than just before their first user."""
+    return tuple(
+        SharedTensor(t.nbytes, min(t.born_after, t.users[0] - 1), t.users[0], t.held_to_end,
+                     last_user=t.users[-1], grad_bytes=t.grad_bytes,
+                     maker_output=t.maker_output and t.born_after < t.users[0])
+        for t in base.shared
+    )
+
+
+def _meta(m: Measurements, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """``meta`` and what the profile says of how it was measured."""
+    return {
+        **meta,
+        "outside_step_peak_bytes": m.fixed_bytes + m.base.peak_bytes,
+        "held_after_forward_bytes": m.base.held_after_forward_bytes,
+        "forward_transient_bytes": m.base.forward_transient_bytes,
+        "step_ms": "derived",
+        "no_checkpoint_peak": "predicted",
+        "chain_breaks": list(m.chain.breaks),
+        # Whether each parameter's own step was metered (what stepping the optimizer
+        # in backward adds), or why not.
+        STEPS_IN_BACKWARD: m.outside.param_steps,
+    }
