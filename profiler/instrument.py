@@ -369,37 +369,101 @@ def _figures(
     loss_bytes: int,
     output_records: set[int | None] = frozenset(),
 ) -> OutsideStep:
-    meter, units = w.meter, w.units
-    first, last = units[0], units[-1]
-    F = w.forward_end.tick
+    """The outside step's figures, read off the timeline ``w`` watched."""
+    meter, first, last = w.meter, w.units[0], w.units[-1]
     shared = _shared(w, is_chain)
     modelled = [*shared, *output_records]  # counted on their own, so in no figure below
+    held = _held_after_forward(w, is_chain, modelled)
+    suffix_forward = _suffix_forward(w, is_chain)
+    prefix_bwd_peak, suffix_bwd_peak = _backward_peaks(w)
+    step = OutsideStep(
+        units=_units_in_step(w, is_chain, shared, held),
+        is_chain=is_chain,
+        prefix=OutsideFigures(held.prefix, meter.rise(w.start.index, first.fwd_start.index),
+                              prefix_bwd_peak),
+        suffix=OutsideFigures(held.suffix, suffix_forward.peak, suffix_bwd_peak),
+        suffix_fwd_peak_inputs_held=max(suffix_forward.peak_inputs_held, 0),
+        units_inputs_dying=suffix_forward.units_inputs_dying,
+        peak_bytes=meter.overall_peak_bytes,
+        held_after_forward_bytes=w.forward_end.live_bytes,
+        forward_transient_bytes=max(
+            meter.dying_bytes(u.fwd_start.tick, w.forward_end.tick, exclude=[u.input_record])
+            for u in w.units),
+        loss_bytes=loss_bytes,
+        phase_ms=_phase_ms(w),
+        output_bytes=_kept_output_bytes(w, output_records, shared),
+        last_output_kept=(last.output_record is not None
+                          and last.output_record in output_records),
+        shared=tuple(shared.values()),
+    )
+    log.debug("outside step: held after forward %d B, peak %d B",
+              step.held_after_forward_bytes, step.peak_bytes)
+    return step
 
-    # -- forward: what each outside part allocated and still holds at the end -----
-    # Plus, per phase, what the allocator saw it leave alive beyond the dispatch level.
-    prefix_held = meter.alive_bytes(F, born_until=first.fwd_start.tick,
-                                    exclude=[first.input_record, *modelled])
-    prefix_held += meter.hidden_held(w.start.index, first.fwd_start.index)
-    # Per unit, what the code before it holds until its backward, and all it holds (unit
-    # 0's: the prefix's). On a chain there is no such code: what a gap between units
-    # leaves is the prefix's.
-    between_held, between_alive = [0], [0]
+
+@dataclass(frozen=True)
+class _HeldAfterForward:
+    """What each outside part allocated and still holds when the forward pass ends.
+
+    ``prefix`` and ``suffix``: the prefix's (with what the code between units holds to
+    the end of the step) and the suffix's; per unit, what the code before it holds until
+    its backward (``between``) and all it holds (``between_alive``): 0 for unit 0, whose
+    code is the prefix, and on a chain, where what a gap leaves is the prefix's.
+    """
+
+    prefix: int
+    suffix: int
+    between: list[int]
+    between_alive: list[int]
+
+
+def _held_after_forward(w: _StepWatch, is_chain: bool,
+                        modelled: list[int | None]) -> _HeldAfterForward:
+    """Each outside part's held bytes, less the ``modelled`` storages (counted on their
+    own); per phase also what the allocator saw it leave alive beyond the dispatch level."""
+    meter, units = w.meter, w.units
+    first, last, end = units[0], units[-1], w.forward_end.tick
+    prefix = meter.alive_bytes(end, born_until=first.fwd_start.tick,
+                               exclude=[first.input_record, *modelled])
+    prefix += meter.hidden_held(w.start.index, first.fwd_start.index)
+    between, between_alive = [0], [0]
     for u, nxt in zip(units, units[1:]):
         held, to_end = _held_between(w, u, nxt, [nxt.input_record, *modelled])
         held, to_end = (0, held + to_end) if is_chain else (held, to_end)
-        between_held.append(held)
+        between.append(held)
         between_alive.append(held + to_end)
-        prefix_held += to_end
-    suffix_held = meter.alive_bytes(F, born_after=last.fwd_end.tick, born_until=F,
-                                    exclude=modelled)
-    suffix_held += meter.hidden_held(last.fwd_end.index, w.forward_end.index)
-    # What the loop keeps of the output, wherever it was made. The last unit's output,
-    # when it is the model's, is a boundary: the profile marks it kept instead. Another
-    # unit's output in the model's (all hidden states) is counted twice while held.
-    last_output_kept = last.output_record is not None and last.output_record in output_records
-    output_bytes = sum(meter.records[r].nbytes for r in output_records if r is not None
-                       and r not in shared and r != last.output_record
-                       and meter.records[r].alive_at(F))
+        prefix += to_end
+    suffix = meter.alive_bytes(end, born_after=last.fwd_end.tick, born_until=end,
+                               exclude=modelled)
+    suffix += meter.hidden_held(last.fwd_end.index, w.forward_end.index)
+    return _HeldAfterForward(prefix, suffix, between, between_alive)
+
+
+def _kept_output_bytes(w: _StepWatch, output_records: set[int | None],
+                       shared: dict[int, SharedInStep]) -> int:
+    """What the loop keeps of the model's output, wherever it was made. The last unit's
+    output, when it is the model's, is a boundary: the profile marks it kept instead.
+    Another unit's output in the model's (all hidden states) is counted twice while held."""
+    meter, last = w.meter, w.units[-1]
+    return sum(meter.records[r].nbytes for r in output_records if r is not None
+               and r not in shared and r != last.output_record
+               and meter.records[r].alive_at(w.forward_end.tick))
+
+
+@dataclass(frozen=True)
+class _SuffixForward:
+    """The suffix's forward peak (``peak``); the units whose input died in it
+    (``units_inputs_dying``), and the peak were those inputs all saved by the units'
+    options (``peak_inputs_held``)."""
+
+    peak: int
+    peak_inputs_held: int
+    units_inputs_dying: tuple[int, ...]
+
+
+def _suffix_forward(w: _StepWatch, is_chain: bool) -> _SuffixForward:
+    """The suffix's forward peak, as ``simulate()`` adds it to what it counts held."""
+    meter, units, last, end = w.meter, w.units, w.units[-1], w.forward_end.tick
     # Storages alive when the suffix starts that are not held (the prefix's locals
     # that live until the model's forward returns, say) still weigh on the suffix's
     # peak, while simulate() counts only held bytes there: add them to its peak.
@@ -407,80 +471,98 @@ def _figures(
     # it has already let it go unless someone holds it.
     # Shared tensors count too: simulate() keeps them alive through the suffix (their
     # first user may hold them), so a death here must not lower the suffix's peak.
-    transient = meter.dying_bytes(last.fwd_end.tick, F,
+    transient = meter.dying_bytes(last.fwd_end.tick, end,
                                   exclude=[last.output_record] if is_chain else [])
-    suffix_fwd_peak = meter.rise(last.fwd_end.index, w.forward_end.index) + transient
+    peak = meter.rise(last.fwd_end.index, w.forward_end.index) + transient
     # A unit's input may die here too (a local of the model's forward held it until the
     # units returned): counted above as a storage simulate() does not count. Where the
     # unit's options all save it (checkpoint and selective do; keep when it saved it)
     # simulate() counts it through the suffix, so the peak is the one with its death
     # deferred and without it added: assemble picks that figure where it holds.
     inputs = [u.input_record for u in units]
-    inputs_dying = []
+    dying = []
     for r in dict.fromkeys(i for i in inputs if i is not None):
         rec = meter.records[r]
-        if (rec.alive_at(last.fwd_end.tick) and rec.died is not None and rec.died <= F
+        if (rec.alive_at(last.fwd_end.tick) and rec.died is not None and rec.died <= end
                 and not (is_chain and r == last.output_record)):
-            inputs_dying.append(r)
-    suffix_fwd_peak_inputs_held = suffix_fwd_peak
-    if inputs_dying:
-        suffix_fwd_peak_inputs_held += (
-            meter.deferred_rise(last.fwd_end.tick, F, defer=inputs_dying)
-            - meter.deferred_rise(last.fwd_end.tick, F, defer=())
-            - sum(meter.records[r].nbytes for r in inputs_dying))
-    units_inputs_dying = tuple(i for i, r in enumerate(inputs) if r in inputs_dying)
-    forward_transient = max(
-        meter.dying_bytes(u.fwd_start.tick, F, exclude=[u.input_record]) for u in units
-    )
+            dying.append(r)
+    peak_inputs_held = peak
+    if dying:
+        peak_inputs_held += (
+            meter.deferred_rise(last.fwd_end.tick, end, defer=dying)
+            - meter.deferred_rise(last.fwd_end.tick, end, defer=())
+            - sum(meter.records[r].nbytes for r in dying))
+    return _SuffixForward(peak, peak_inputs_held,
+                          tuple(i for i, r in enumerate(inputs) if r in dying))
 
-    # -- backward -------------------------------------------------------------------
-    suffix_bwd_peak = prefix_bwd_peak = 0
+
+def _backward_peaks(w: _StepWatch) -> tuple[int, int]:
+    """The prefix's and the suffix's backward peaks, above their starts (0 where the
+    backward never reached them)."""
+    meter, first, last = w.meter, w.units[0], w.units[-1]
+    prefix = suffix = 0
     if last.bwd_start is not None:
-        suffix_bwd_peak = meter.rise(w.forward_end.index, last.bwd_start.index)
+        suffix = meter.rise(w.forward_end.index, last.bwd_start.index)
     if first.bwd_end is not None:
-        prefix_bwd_peak = meter.rise(first.bwd_end.index, w.backward_end.index)
-    # -- the units and their boundaries -----------------------------------------------
-    def neighbours(i: int, step: int) -> set[Phase]:
+        prefix = meter.rise(first.bwd_end.index, w.backward_end.index)
+    return prefix, suffix
+
+
+def _units_in_step(w: _StepWatch, is_chain: bool, shared: dict[int, SharedInStep],
+                   held: _HeldAfterForward) -> tuple[UnitInStep, ...]:
+    """Every unit's boundaries, who holds them, and off a chain the code before it."""
+    records = []
+    for u in w.units:
+        in_step = _unit_in_step(w, u, is_chain, shared)
+        if not is_chain and u.index > 0:
+            in_step = replace(in_step, **_code_before(w, u.index, held.between[u.index],
+                                                      held.between_alive[u.index]))
+        records.append(in_step)
+    return tuple(records)
+
+
+def _unit_in_step(w: _StepWatch, u: _UnitWatch, is_chain: bool,
+                  shared: dict[int, SharedInStep]) -> UnitInStep:
+    """Unit ``u``'s boundaries as the step saw them (see :class:`UnitInStep`)."""
+    i = u.index
+
+    def neighbours(step: int) -> set[Phase]:
         own = {("unit", i)}
         return own | {("unit", i + step)} if is_chain else own
 
-    records = []
-    for u in units:
-        i = u.index
-        # Off a chain a shared input is counted as shared only (on a chain it is the
-        # previous unit's output too, and stays the boundary).
-        input_shared = not is_chain and u.input_record in shared
-        # An output the unit did not make (an in-place op's: its input's storage) that
-        # is shared is held as long as the shared tensor is (the unit reads it, so it
-        # lives until the backward of this unit or an earlier one), and its gradient is
-        # the shared one, alive at this unit's backward when a later unit reads it too.
-        given = shared.get(u.output_record) if not is_chain else None
-        output_given = (given is not None and given.born_after < i and i in given.users
-                        and i < given.users[-1]
-                        and (given.grad_bytes > 0 or not u.output_needs_grad))
-        in_step = UnitInStep(
-            input_bytes=0 if input_shared else u.input_bytes,
-            output_bytes=0 if output_given else u.output_bytes,
-            input_held_outside=(not input_shared
-                                and w.held_outside(u.input_record, neighbours(i, -1))),
-            # A shared output's holders (later units, outside code) are the shared
-            # tensor's: counted there once.
-            output_held_outside=(u.output_record not in shared
-                                 and w.held_outside(u.output_record, neighbours(i, +1))),
-            input_is_prev_output=(i > 0 and u.input_record is not None and not input_shared
-                                  and u.input_record == units[i - 1].output_record),
-            # A shared input's gradient is the shared tensor's (SharedInStep.grad_bytes).
-            input_grad_kept_until=(None if is_chain or input_shared
-                                   else _input_grad_kept_until(w, u)),
-        )
-        if not is_chain and i > 0:
-            in_step = replace(in_step, **_code_before(w, i, between_held[i],
-                                                      between_alive[i]))
-        records.append(in_step)
+    # Off a chain a shared input is counted as shared only (on a chain it is the
+    # previous unit's output too, and stays the boundary).
+    input_shared = not is_chain and u.input_record in shared
+    # An output the unit did not make (an in-place op's: its input's storage) that
+    # is shared is held as long as the shared tensor is (the unit reads it, so it
+    # lives until the backward of this unit or an earlier one), and its gradient is
+    # the shared one, alive at this unit's backward when a later unit reads it too.
+    given = shared.get(u.output_record) if not is_chain else None
+    output_given = (given is not None and given.born_after < i and i in given.users
+                    and i < given.users[-1]
+                    and (given.grad_bytes > 0 or not u.output_needs_grad))
+    return UnitInStep(
+        input_bytes=0 if input_shared else u.input_bytes,
+        output_bytes=0 if output_given else u.output_bytes,
+        input_held_outside=(not input_shared
+                            and w.held_outside(u.input_record, neighbours(-1))),
+        # A shared output's holders (later units, outside code) are the shared
+        # tensor's: counted there once.
+        output_held_outside=(u.output_record not in shared
+                             and w.held_outside(u.output_record, neighbours(+1))),
+        input_is_prev_output=(i > 0 and u.input_record is not None and not input_shared
+                              and u.input_record == w.units[i - 1].output_record),
+        # A shared input's gradient is the shared tensor's (SharedInStep.grad_bytes).
+        input_grad_kept_until=(None if is_chain or input_shared
+                               else _input_grad_kept_until(w, u)),
+    )
 
-    # -- wall time of the outside phases (under instrumentation: proportions only) ----
+
+def _phase_ms(w: _StepWatch) -> dict[str, float]:
+    """Wall time of the outside phases (under instrumentation: proportions only)."""
+    units, first, last = w.units, w.units[0], w.units[-1]
     end_fwd = w.forward_end.clock
-    phase_ms = {
+    return {
         "prefix_fwd": (first.fwd_start.clock - w.start.clock) * 1e3,
         "between_fwd": sum(nxt.fwd_start.clock - u.fwd_end.clock
                            for u, nxt in zip(units, units[1:])) * 1e3,
@@ -489,26 +571,6 @@ def _figures(
         "prefix_bwd": (w.backward_end.clock - first.bwd_end.clock) * 1e3
         if first.bwd_end else 0.0,
     }
-    step = OutsideStep(
-        units=tuple(records),
-        is_chain=is_chain,
-        prefix=OutsideFigures(prefix_held, meter.rise(w.start.index, first.fwd_start.index),
-                              prefix_bwd_peak),
-        suffix=OutsideFigures(suffix_held, suffix_fwd_peak, suffix_bwd_peak),
-        suffix_fwd_peak_inputs_held=max(suffix_fwd_peak_inputs_held, 0),
-        units_inputs_dying=units_inputs_dying,
-        peak_bytes=meter.overall_peak_bytes,
-        held_after_forward_bytes=w.forward_end.live_bytes,
-        forward_transient_bytes=forward_transient,
-        loss_bytes=loss_bytes,
-        phase_ms=phase_ms,
-        output_bytes=output_bytes,
-        last_output_kept=last_output_kept,
-        shared=tuple(shared.values()),
-    )
-    log.debug("outside step: held after forward %d B, peak %d B",
-              step.held_after_forward_bytes, step.peak_bytes)
-    return step
 
 
 def _held_between(w: _StepWatch, u: _UnitWatch, nxt: _UnitWatch,
