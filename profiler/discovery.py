@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from remat.profiler.blocks import block_names, outermost
-from remat.profiler.saves import ModuleCall, Saved, SaveRecord
+from remat.profiler.saves import ModuleCall, SaveRecord
 
 __all__ = ["MIN_GAIN", "REFINE_SHARE", "TARGET_COVERAGE", "Discovery", "chain_breaks",
            "choose_units"]
@@ -246,15 +246,13 @@ def _gain(record: SaveRecord, current: list[int], option: list[int], starts: boo
     call = record.calls[option[0]]
     if starts and call.input_saved is not None:
         s = record.saved[call.input_saved]
-        if _holds(s, set(current + option)):  # only units save it: no one else holds it
+        if s.held_by(set(current + option)):  # only units save it: no one else holds it
             gain -= s.nbytes
     elif starts:
         gain -= call.input_fresh_bytes  # saved by no one: checkpointing would hold it
     return gain
 
 
-def _holds(s: Saved, units: set[int]) -> bool:
-    return bool(s.stacks) and all(any(i in units for i in st) for st in s.stacks)
 
 
 def _cover(tree: _Tree, units: list[int], is_chain: bool) -> list[int]:

@@ -80,6 +80,12 @@ class Saved:
     nbytes: int
     stacks: list[tuple[int, ...]] = field(default_factory=list)
 
+    def held_by(self, units: set[int]) -> bool:
+        """Every save of it happened inside one of ``units`` (call indices): only then can
+        a plan of those units drop it."""
+        return bool(self.stacks) and all(any(i in units for i in stack)
+                                         for stack in self.stacks)
+
 
 @dataclass
 class SaveRecord:
@@ -112,7 +118,7 @@ class SaveRecord:
     def held_bytes(self, units: Iterable[int]) -> int:
         """Bytes of the storages held by ``units`` (call indices of disjoint modules)."""
         chosen = set(units)
-        return sum(s.nbytes for s in self.saved if _held(s, chosen))
+        return sum(s.nbytes for s in self.saved if s.held_by(chosen))
 
     def held_per_unit(self, units: Iterable[int]) -> dict[int, int]:
         """Per unit, the held bytes it saved first (a boundary held by two units counts
@@ -121,7 +127,7 @@ class SaveRecord:
         out = dict.fromkeys(chosen, 0)
         members = set(chosen)
         for s in self.saved:
-            if _held(s, members):
+            if s.held_by(members):
                 owner = next(i for i in s.stacks[0] if i in members)
                 out[owner] += s.nbytes
         return out
@@ -130,9 +136,15 @@ class SaveRecord:
         """Bytes of storages every save of which happened inside call ``index``."""
         return self.held_bytes([index])
 
+    def ops_between(self, names: list[str]) -> dict[tuple[str, str], int]:
+        """Per pair of the named calls that ran one after the other, how many ops ran
+        between the first's end and the second's start (what the capture pass's chain
+        check counts, here without a dispatch mode slowing its replays)."""
+        calls = sorted((c for c in (self.call(n) for n in names) if c is not None),
+                       key=lambda c: c.index)
+        return {(a.name, b.name): b.enter_op - a.exit_op for a, b in zip(calls, calls[1:])}
 
-def _held(s: Saved, units: set[int]) -> bool:
-    return bool(s.stacks) and all(any(i in units for i in stack) for stack in s.stacks)
+
 
 
 class _Pass(TorchDispatchMode):
