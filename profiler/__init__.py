@@ -8,9 +8,8 @@ the solver: what an option does to a call is :mod:`remat.execute`'s, and measuri
 real step :mod:`remat.measurement`'s.
 """
 
-from remat.profiler.capture import check_chain
 from remat.profiler.choice import UnitChoice, find_units
-from remat.profiler.profile import default_options, profile, profile_levels
+from remat.profiler.profile import check_chain, default_options, profile, profile_levels
 from remat.profiler.records import ChainCheck
 from remat.profiler.units import discover_units
 

@@ -37,9 +37,8 @@ from remat.execute.boundary import boundary_input, boundary_output
 from remat.execute.kv_cache import is_kv_cache, warn_kv_cache_once
 from remat.measurement.state import RngState
 from remat.profiler.records import Captured, ChainCheck, UnitCall, UnitTrace
-from remat.profiler.saves import SaveRecord
 
-__all__ = ["check_chain", "trace_units"]
+__all__ = ["trace_units"]
 
 log = logging.getLogger("remat")
 
@@ -134,155 +133,140 @@ def trace_units(
     their inputs (for a caller that inspects them).
 
     ``ops_between`` gives, per pair of consecutive units, how many ops run between them
-    (:func:`ops_between_units` reads them off the pass that recorded the saves); without
-    it a dispatch mode counts them here, which would also slow the replays it wraps.
+    (:meth:`~remat.profiler.saves.SaveRecord.ops_between` reads them off the pass that
+    recorded the saves); without it a dispatch mode counts them here, which would also
+    slow the replays it wraps.
 
     Raises:
         ProfileError: a unit did not run, or ran more than once in one forward.
     """
-    calls = {name: UnitCall(name, module) for name, module in units}
-    by_module = {id(module): calls[name] for name, module in units}
-    order: list[str] = []
-    breaks: list[str] = []
-    counter = _OpCounter()
-    prev_output: list[torch.Tensor | None] = [None]
-    inputs: list[weakref.ref | None] = []  # per unit in order, its boundary input's storage
-    kept: list[bool] = []
+    tracer = _Tracer(units, on_unit, ops_between)
+    tracer.run(run_forward)
+    return tracer.trace()
 
-    def check_kept(i: int) -> None:
-        ref = inputs[i]
-        kept.append(ref is not None and ref() is not None)
-        inputs[i] = None
 
-    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        call = by_module[id(module)]
-        counter.depth += 1  # our own detach() calls are not model code
+class _Tracer:
+    """The capture pass's hooks on the units, and what they saw (:func:`trace_units`)."""
+
+    def __init__(self, units: list[tuple[str, nn.Module]],
+                 on_unit: Callable[[UnitCall], None] | None,
+                 ops_between: Mapping[tuple[str, str], int] | None) -> None:
+        self.modules = [module for _, module in units]
+        self.calls = {name: UnitCall(name, module) for name, module in units}
+        self.by_module = {id(module): self.calls[name] for name, module in units}
+        self.on_unit = on_unit
+        self.ops_between = ops_between
+        self.counter = _OpCounter()
+        self.order: list[str] = []
+        self.breaks: list[str] = []
+        # The last unit's boundary output, to tell whether the next unit's input is it.
+        self.prev_output: torch.Tensor | None = None
+        self.inputs: list[weakref.ref | None] = []  # per unit in order, its input's storage
+        self.kept: list[bool] = []
+
+    def run(self, run_forward: Callable[[], Any]) -> None:
+        """The forward pass, hooked, saving nothing; the hooks are removed after it."""
+        handles = []
+        try:
+            for module in self.modules:
+                handles.append(module.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
+                handles.append(module.register_forward_hook(self.post_hook, with_kwargs=True))
+            counting = self.counter if self.ops_between is None else contextlib.nullcontext()
+            with counting, torch.autograd.graph.saved_tensors_hooks(_drop, _keep):
+                result = run_forward()
+            del result
+            self.prev_output = None
+            if self.inputs:
+                self._check_kept(len(self.inputs) - 1)
+        finally:
+            for h in handles:
+                h.remove()
+            self.prev_output = None
+
+    def trace(self) -> UnitTrace:
+        """What the pass learned, once every unit ran exactly once."""
+        missing = [name for name, c in self.calls.items() if c.calls == 0]
+        if missing:
+            raise ProfileError(
+                f"units {missing} did not run in the forward pass; every unit must run exactly "
+                "once (choose units= among the modules the forward calls)"
+            )
+        repeated = {name: c.calls for name, c in self.calls.items() if c.calls > 1}
+        if repeated:
+            raise ProfileError(
+                f"units ran more than once in one forward pass: {repeated}; a unit must run "
+                "exactly once (recurrent reuse of a module is unsupported): choose other units="
+            )
+        chain = ChainCheck(not self.breaks, tuple(self.breaks))
+        if self.breaks:
+            log.info("units do not form a chain: %s", "; ".join(self.breaks[:3]))
+        kept = self.kept if self.on_unit is not None else [False] * len(self.order)
+        return UnitTrace(self.order, self.calls, chain, kept)
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = self.by_module[id(module)]
+        self.counter.depth += 1  # our own detach() calls are not model code
         call.calls += 1
         if call.calls > 1:
             return
-        order.append(call.name)
+        self.order.append(call.name)
         located = boundary_input(args, kwargs)
         first = located[1] if located is not None else None
-        if len(order) > 1:
-            check_kept(len(order) - 2)
-            prev = order[-2]
-            if first is None or first is not prev_output[0]:
-                breaks.append(f"{call.name!r}'s first input is not {prev!r}'s output")
-            ops = (counter.ops.get(counter.gap, 0) if ops_between is None
-                   else ops_between.get((prev, call.name), 1))
-            if ops:
-                breaks.append(f"{ops} op(s) run between {prev!r} and {call.name!r}")
+        if len(self.order) > 1:
+            self._check_kept(len(self.order) - 2)
+            self._check_link(call.name, first)
         # Unit 0's input is the batch or the prefix's: no link of the chain leads to it.
-        track = first is not None and len(order) > 1 and first.layout == torch.strided
-        inputs.append(weakref.ref(first.untyped_storage()) if track else None)
+        track = first is not None and len(self.order) > 1 and first.layout == torch.strided
+        self.inputs.append(weakref.ref(first.untyped_storage()) if track else None)
         call.args = tuple(_capture(a, first) for a in args)
         call.kwargs = {k: _capture(v, first) for k, v in kwargs.items()}
         call.rng = RngState.capture()
-        if on_unit is not None:
-            buffers = [(b, b.detach().clone()) for b in module.buffers()]
-            try:
-                with outside_autocast(), saving_as_autograd_does():
-                    on_unit(call)
-            finally:
-                call.release()
-                call.rng.restore()
-                with torch.no_grad():
-                    for b, value in buffers:
-                        b.copy_(value)
+        if self.on_unit is not None:
+            self._measure_here(call, module)
 
-    def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        call = by_module[id(module)]
-        counter.depth -= 1
-        counter.gap += 1
+    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        call = self.by_module[id(module)]
+        self.counter.depth -= 1
+        self.counter.gap += 1
         if call.calls > 1:
             return
         out = boundary_output(output)
-        prev_output[0] = out
+        self.prev_output = out
         if out is not None:
             call.out_shape = tuple(out.shape)
             call.out_dtype = out.dtype
             call.out_device = out.device
             call.out_requires_grad = out.requires_grad
 
-    handles = []
-    try:
-        for _, module in units:
-            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
-        counting = counter if ops_between is None else contextlib.nullcontext()
-        with counting, torch.autograd.graph.saved_tensors_hooks(_drop, _keep):
-            result = run_forward()
-        del result
-        prev_output[0] = None
-        if inputs:
-            check_kept(len(inputs) - 1)
-    finally:
-        for h in handles:
-            h.remove()
-        prev_output[0] = None
+    def _check_kept(self, i: int) -> None:
+        """Whether the model's code still keeps unit ``i``'s input (the next unit started,
+        or the forward ended): the capture let go of it, so any reference is the model's."""
+        ref = self.inputs[i]
+        self.kept.append(ref is not None and ref() is not None)
+        self.inputs[i] = None
 
-    missing = [name for name, c in calls.items() if c.calls == 0]
-    if missing:
-        raise ProfileError(
-            f"units {missing} did not run in the forward pass; every unit must run exactly once "
-            "(choose units= among the modules the forward calls)"
-        )
-    repeated = {name: c.calls for name, c in calls.items() if c.calls > 1}
-    if repeated:
-        raise ProfileError(
-            f"units ran more than once in one forward pass: {repeated}; a unit must run exactly "
-            "once (recurrent reuse of a module is unsupported): choose other units="
-        )
-    chain = ChainCheck(not breaks, tuple(breaks))
-    if breaks:
-        log.info("units do not form a chain: %s", "; ".join(breaks[:3]))
-    return UnitTrace(order, calls, chain, kept if on_unit is not None else [False] * len(order))
+    def _check_link(self, name: str, first: torch.Tensor | None) -> None:
+        """The chain's link into unit ``name``: its input is the previous unit's output,
+        and no op ran between the two."""
+        prev = self.order[-2]
+        if first is None or first is not self.prev_output:
+            self.breaks.append(f"{name!r}'s first input is not {prev!r}'s output")
+        ops = (self.counter.ops.get(self.counter.gap, 0) if self.ops_between is None
+               else self.ops_between.get((prev, name), 1))
+        if ops:
+            self.breaks.append(f"{ops} op(s) run between {prev!r} and {name!r}")
 
-
-def ops_between_units(record: SaveRecord, names: list[str]) -> dict[tuple[str, str], int]:
-    """Per pair of units that ran one after the other in ``record``'s pass, how many ops
-    ran between the first's end and the second's start."""
-    calls = sorted((c for c in (record.call(n) for n in names) if c is not None),
-                   key=lambda c: c.index)
-    return {(a.name, b.name): b.enter_op - a.exit_op for a, b in zip(calls, calls[1:])}
-
-
-def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None,
-                loss_fn: Any = None) -> ChainCheck:
-    """Run one forward pass of ``model`` and tell whether its units form a chain.
-
-    ``units`` as for :func:`~remat.profiler.units.discover_units`; by default the units
-    ``profile()`` would discover (:func:`~remat.profiler.choice.find_units`, which
-    runs the forward pass once more, and the loss: ``loss_fn`` when the output has no
-    ``.loss``; a model without a loss is recorded up to its output). The model is
-    left as it was (buffers, RNG state, modes; no backward runs).
-    """
-    from remat.measurement.runner import call_model
-    from remat.measurement.state import training_session
-
-    found = _units_to_check(model, sample_batch, units, loss_fn)
-    with training_session(model):
-        trace = trace_units(model, found, lambda: call_model(model, sample_batch))
-    return trace.chain
-
-
-def _units_to_check(model: nn.Module, sample_batch: Any, units: Any,
-                    loss_fn: Any) -> list[tuple[str, nn.Module]]:
-    from remat.measurement.runner import call_model
-    from remat.measurement.state import training_session
-    from remat.profiler.choice import choose
-    from remat.profiler.saves import record_saves
-    from remat.profiler.units import discover_units
-
-    if units is not None:
-        return discover_units(model, units)
-
-    def forward() -> Any:
-        output = call_model(model, sample_batch)
-        return output if loss_fn is None else loss_fn(output, sample_batch)
-
-    # The loss only adds saves outside the model, which no unit can hold: without
-    # one, discovery sees the same modules.
-    with training_session(model):
-        record = record_saves(model, forward)
-    return choose(model, record).units
+    def _measure_here(self, call: UnitCall, module: nn.Module) -> None:
+        """``on_unit(call)`` on the live inputs, under autograd's own saving and outside
+        the loop's autocast; then the captured inputs are let go, and the RNG and the
+        unit's buffers put back, so the forward goes on as if nothing had run."""
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        try:
+            with outside_autocast(), saving_as_autograd_does():
+                self.on_unit(call)
+        finally:
+            call.release()
+            call.rng.restore()
+            with torch.no_grad():
+                for b, value in buffers:
+                    b.copy_(value)

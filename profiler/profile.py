@@ -5,24 +5,33 @@ People profile because their step does not fit; so no pass runs the unplanned st
 and every pass holds at most what the most frugal plan holds. The passes, in order
 (none changes the model: everything is restored at the end, also on error):
 
-0. **units** (:mod:`.saves`, :mod:`.choice`): one forward pass records what every
-   module saves for backward, as sizes (the tensors are dropped); the units are
-   discovered on it (or taken from ``units=``) and their coverage measured;
-1. **capture and replays** (:mod:`.capture`, :mod:`.unit_figures`): one forward pass,
-   saving nothing, records the units' order, whether they form a chain and which
-   links the model's code keeps; at each unit's call, the unit is replayed alone on its
-   live input under each option, metered once and timed (twins, :mod:`.twins`, once);
+0. **units** (:mod:`.saves`, :mod:`.choice`, :mod:`.discovery`, :mod:`.blocks`,
+   :mod:`.units`, :mod:`.coverage`): one forward pass records what every module saves
+   for backward, as sizes (the tensors are dropped); the units are discovered on it (or
+   taken from ``units=``) and their coverage measured;
+1. **capture and replays** (:mod:`.capture`, :mod:`.unit_figures`, :mod:`.replay`,
+   :mod:`.twins`, :mod:`.released`): one forward pass, saving nothing, records the units'
+   order, whether they form a chain and which links the model's code keeps; at each
+   unit's call, the unit is replayed alone on its live input under each option, metered
+   once and timed (twins, :mod:`.twins`, once);
 2. **outside time** (:mod:`.outside_time`): steps whose units are stubs (:mod:`.stub`:
    their forward under ``no_grad``, a gradient of ones for their inputs) time the code
    outside the units; with an optimizer, the first two also meter ``optimizer.step()``
    (its state and its step's peak), and a third each parameter's own step (what
    stepping it in backward adds: ``Loop(optimizer_in_backward=True)``);
-3. **outside step** (:mod:`.instrument`): one instrumented stub step gives the
-   prefix/suffix figures, the boundaries and who holds them, shared tensors, what the
-   loop keeps, and where the outside code's parameter gradients appear.
-4. **head variants** (:mod:`.heads`, :mod:`.outside`): where a head is measured, passes 2
-   and 3 again with the head and its loss over each chunk count, most frugal first
-   (before the head as it is, which may not fit the device the user plans for).
+3. **outside step** (:mod:`.instrument`, :mod:`.grads`): one instrumented stub step
+   gives the prefix/suffix figures, the boundaries and who holds them, shared tensors,
+   what the loop keeps, and where the outside code's parameter gradients appear;
+4. **head variants** (:mod:`.outside`, :mod:`.heads`, :mod:`.head_check`): passes 2 and
+   3 run for the head as it is and, where a head is measured, again with the head and
+   its loss over each chunk count, most frugal first (before the head as it is, which
+   may not fit the device the user plans for). The head's rewrite is checked on one
+   example before pass 0, so that passes 0 and 1 compute it over the most chunks;
+5. **assembly** (:mod:`.assemble`): the figures become a :class:`Profile` (nothing runs).
+
+The passes hand each other the records of :mod:`.records`, never their own; the tools
+several passes use are :mod:`.stub`, :mod:`.timeline` and :mod:`.progress`. Each
+module's docstring opens with the pass it belongs to.
 
 The figures of the unplanned step (the no-checkpoint peak, its time) are derived from
 these by ``simulate()``, not run; ``meta["outside_step_peak_bytes"]`` is the peak the
@@ -37,7 +46,8 @@ planned step does not pay (timed in the steps, checkpoint's extra time came out 
 40% too high on the small MLP and CNN).
 
 How the figures become a :class:`Profile` (and why the step's and the prefix/suffix
-times are derived) is in :mod:`.assemble`.
+times are derived) is in :mod:`.assemble`. :func:`check_chain` runs passes 0 and 1 alone
+(the capture without replays).
 """
 
 from __future__ import annotations
@@ -57,26 +67,36 @@ from remat.core.errors import DeviceMemoryError, ProfileError
 from remat.core.loop import Loop, loop_or_default
 from remat.core.option import Option
 from remat.core.profile import Profile
+from remat.execute.head import HeadSite
 from remat.execute.options import recompute_snapshot_bytes
 from remat.execute.planned import has_plan
 from remat.measurement.meter import MemoryMeter
-from remat.measurement.runner import LossFn, StepRunner, model_device
+from remat.measurement.runner import LossFn, StepRunner, call_model, model_device
 from remat.measurement.state import ModelState, clear_grads, training_session
 from remat.measurement.storage import batch_bytes, fixed_bytes, storage_bytes
 from remat.measurement.timing import Stopwatch
 from remat.profiler.assemble import build_profile, input_shapes, model_dtype
-from remat.profiler.capture import ops_between_units, trace_units
+from remat.profiler.capture import trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
 from remat.profiler.heads import frugal_forwards, head_profile, head_to_measure, model_head
 from remat.profiler.outside import measure_outside
 from remat.profiler.progress import Progress
-from remat.profiler.records import Measurements, OptionFigures, TimedRuns, TimingPolicy
+from remat.profiler.records import (
+    ChainCheck,
+    HeadFinding,
+    Measurements,
+    OptionFigures,
+    OutsideRun,
+    TimedRuns,
+    TimingPolicy,
+    UnitTrace,
+)
 from remat.profiler.saves import record_saves
 from remat.profiler.unit_figures import UnitMeasurer
 from remat.profiler.units import UnitsSpec, discover_units
 
-__all__ = ["default_options", "profile", "profile_levels"]
+__all__ = ["check_chain", "default_options", "profile", "profile_levels"]
 
 log = logging.getLogger("remat")
 
@@ -123,46 +143,44 @@ def profile(
 
     Args:
         model: the module to plan for; profiled in train mode.
-        sample_batch: a Tensor (``model(x)``), a tuple/list (``model(*batch)``) or a
-            dict (``model(**batch)``), on the model's device.
-        loss_fn: ``loss_fn(output, batch) -> scalar Tensor``; by default the output's
-            ``.loss`` attribute or ``"loss"`` key (Hugging Face outputs).
-        units: which modules are units (see :func:`discover_units`); by default the
-            repeated blocks of the whole model, chosen on a recorded forward pass by the
-            activation memory they hold (:mod:`remat.profiler.discovery`). The profile's
-            ``coverage`` is the share the units hold; below 80% a warning names the
-            largest modules outside them.
+        sample_batch: a Tensor (``model(x)``), a tuple/list (``model(*batch)``) or a dict
+            (``model(**batch)``), on the model's device.
+        loss_fn: ``loss_fn(output, batch) -> scalar Tensor``; by default the output's ``.loss``
+            attribute or ``"loss"`` key (Hugging Face outputs).
+        units: which modules are units (see :func:`discover_units`); by default the repeated
+            blocks of the whole model, chosen on a recorded forward pass by the activation
+            memory they hold (:mod:`remat.profiler.discovery`). The profile's ``coverage`` is
+            the share the units hold; below 80% a warning names the largest modules outside
+            them.
         optimizer: include ``optimizer.step()``: its state bytes and step peak are measured.
-        options: options to measure (``keep`` is always included); default keep,
-            checkpoint, selective, and offload on CUDA.
-        warmup, repeats: un-timed and timed runs for every time figure (medians);
-            the metered run counts as the first warm-up run.
-        tolerance: stop a time figure's timed runs early once the runs taken pin
-            the median of all ``repeats`` to within this fraction (of the unit's or
-            the step's time): with ``repeats=3``, two runs that agree within 5%
-            already bracket the median of three. ``0`` always takes ``repeats`` runs.
-        pool_twins: time twin units (copies of one module on inputs of one shape, with
-            equal bytes under every option: a transformer's blocks) as one, pooling
-            their samples, so timing costs about as much for 48 blocks as for 2
-            (:mod:`remat.profiler.twins`). Their bytes are still measured one by one.
-        progress: show a progress line on stderr (only when it is a terminal);
-            ``False`` to never show it.
-        loop: the training loop the plan is for (:class:`~remat.core.loop.Loop`:
-            gradient accumulation, whether the output is kept through the backward
-            pass, autocast, a gradient scaler, ``zero_grad(set_to_none=...)``);
-            default ``Loop()``, a plain loop that keeps the output. The profile
-            measures that loop and records it.
-        granularity: ``"blocks"`` plans the units as found; ``"children"`` each
-            unit's children instead. ``"auto"`` (both levels, the better kept) compares
-            the levels' optimal plans, which takes the solver: :func:`remat.profile`
-            does it, on :func:`profile_levels`.
-        head: whether to measure the output head and its loss over chunks of the tokens,
-            for the solver to choose where the budget needs it (:mod:`.heads`):
-            ``"auto"`` where remat recognises the head (a Hugging Face causal LM with
-            ``labels``, or a model calling :func:`remat.head_loss`) and the loop drops the
-            output (``Loop(keep_output=False)``: a chunked head returns no logits);
-            ``"chunked"`` wherever it recognises one (the loop does not read the logits;
-            an error where it recognises none); ``"none"`` never.
+        options: options to measure (``keep`` is always included); default keep, checkpoint,
+            selective, and offload on CUDA.
+        warmup, repeats: un-timed and timed runs for every time figure (medians); the metered
+            run counts as the first warm-up run.
+        tolerance: stop a time figure's timed runs early once the runs taken pin the median of
+            all ``repeats`` to within this fraction (of the unit's or the step's time): with
+            ``repeats=3``, two runs that agree within 5% already bracket the median of three.
+            ``0`` always takes ``repeats`` runs.
+        pool_twins: time twin units (copies of one module on inputs of one shape, with equal
+            bytes under every option: a transformer's blocks) as one, pooling their samples, so
+            timing costs about as much for 48 blocks as for 2 (:mod:`remat.profiler.twins`).
+            Their bytes are still measured one by one.
+        progress: show a progress line on stderr (only when it is a terminal); ``False`` to
+            never show it.
+        loop: the training loop the plan is for (:class:`~remat.core.loop.Loop`: gradient
+            accumulation, whether the output is kept through the backward pass, autocast, a
+            gradient scaler, ``zero_grad(set_to_none=...)``); default ``Loop()``, a plain loop
+            that keeps the output. The profile measures that loop and records it.
+        granularity: ``"blocks"`` plans the units as found; ``"children"`` each unit's children
+            instead. ``"auto"`` (both levels, the better kept) compares the levels' optimal
+            plans, which takes the solver: :func:`remat.profile` does it, on
+            :func:`profile_levels`.
+        head: whether to measure the output head and its loss over chunks of the tokens, for the
+            solver to choose where the budget needs it (:mod:`.heads`): ``"auto"`` where remat
+            recognises the head (a Hugging Face causal LM with ``labels``, or a model calling
+            :func:`remat.head_loss`) and the loop drops the output (``Loop(keep_output=False)``:
+            a chunked head returns no logits); ``"chunked"`` wherever it recognises one (the
+            loop does not read the logits; an error where it recognises none); ``"none"`` never.
 
     Returns:
         The :class:`Profile`. Byte figures come from the dispatch-level
@@ -177,17 +195,21 @@ def profile(
     Nothing about the model changes: parameters, buffers, ``.grad``, ``requires_grad``,
     train/eval modes, RNG states and the optimizer state are restored.
     """
+    _refuse_auto(granularity)
+    blocks, _ = profile_levels(
+        model, sample_batch, loss_fn=loss_fn, units=units, optimizer=optimizer, options=options,
+        warmup=warmup, repeats=repeats, tolerance=tolerance, pool_twins=pool_twins,
+        progress=progress, loop=loop, granularity=granularity, head=head)
+    return blocks
+
+
+def _refuse_auto(granularity: str) -> None:
+    """``profile()`` returns one profile: comparing two levels takes the solver."""
     if granularity == "auto":
         raise ProfileError(
             "granularity='auto' profiles both levels and keeps the one whose optimal plans are "
             "faster, which takes the solver: call remat.profile(..., granularity='auto'), or "
             "remat.profiler.profile_levels() for both profiles")
-    blocks, _ = profile_levels(model, sample_batch, loss_fn=loss_fn, units=units,
-                               optimizer=optimizer, options=options, warmup=warmup,
-                               repeats=repeats, tolerance=tolerance, pool_twins=pool_twins,
-                               progress=progress, loop=loop, granularity=granularity,
-                               head=head)
-    return blocks
 
 
 def profile_levels(
@@ -253,6 +275,33 @@ class _Settings:
     head: str = "auto"
 
 
+@dataclass(frozen=True)
+class _Profiling:
+    """What every pass of one profile shares: the model and its batch, the settings, and
+    the session's tools (the runner of the loop, the state that puts the model back)."""
+
+    model: nn.Module
+    batch: Any
+    settings: _Settings
+    device: torch.device
+    options: list[str]
+    watch: Stopwatch
+    bar: Progress
+    runner: StepRunner
+    state: ModelState
+
+
+@dataclass(frozen=True)
+class _UnitsFound:
+    """Pass 0's result: the units chosen, and what its recorded forward saw that pass 1
+    reads (per pair of consecutive units the ops between them; per unit its ops and the
+    bytes saved inside it, which tell twins apart)."""
+
+    choice: UnitChoice
+    ops_between: dict[tuple[str, str], int]
+    recorded: dict[str, tuple[int, int]]
+
+
 def _recompute_rng_bytes(device: torch.device) -> int:
     """What torch's checkpoint stashes of the RNG state while a region recomputes
     (``torch.random.fork_rng``), on the meter of ``device``'s type: the CPU generator's
@@ -266,44 +315,26 @@ def _profile(
     model: nn.Module, sample_batch: Any, units: UnitsSpec, level: str, settings: _Settings
 ) -> tuple[Profile, UnitChoice]:
     """One profile of ``model`` at granularity ``level`` (``"auto"`` as ``"blocks"``,
-    recording the children to compare), and the choice of its units."""
-    optimizer, loop = settings.optimizer, settings.loop
+    recording the children to compare), and the choice of its units: the passes of the
+    module docstring, in order."""
     given = discover_units(model, units) if units is not None else None
     device = model_device(model)
     opts = _resolve_options(settings.options, device)
     watch = Stopwatch(device)
     bar = Progress(2, settings.progress)
+    head, loop = settings.head, settings.loop
     started = time.perf_counter()
-    more_warmup = max(settings.warmup - 1, 0)  # a metered run is the first warm-up run
     try:
-        with _session(model, optimizer) as state:
-            runner = StepRunner(model, sample_batch, settings.loss_fn, optimizer, loop,
-                                device.type)
+        with _session(model, settings.optimizer) as state:
+            runner = StepRunner(model, sample_batch, settings.loss_fn, settings.optimizer,
+                                loop, device.type)
+            run = _Profiling(model, sample_batch, settings, device, opts, watch, bar, runner,
+                             state)
             with _out_of_memory_is_named("the check of the chunked head on one example"):
-                found = model_head(settings.head, loop, runner, state)
-            with frugal_forwards(settings.head, loop, model, found) as through_head_loss:
-                with _out_of_memory_is_named("the forward pass that records what modules save"):
-                    bar.step("units")
-                    record = record_saves(model, lambda: runner.forward(autocast_cache=False))
-                state.rng.restore()
-                state.restore_buffers()
-                choice = choose(model, record, units, given, level)
-                unit_bytes = dict(choice.coverage.per_unit)
-                ops = ops_between_units(record, choice.names)
-                recorded = {name: (call.ops, record.saved_inside(call.index))
-                            for name in choice.names if (call := record.call(name)) is not None}
-                del record
-                bar.total += len(choice.units)  # now known
-                measurer = UnitMeasurer(
-                    opts, runner, watch,
-                    TimingPolicy(more_warmup, settings.repeats, settings.tolerance,
-                                 settings.pool_twins),
-                    bar, needs_bytes=lambda name: unit_bytes.get(name, 0),
-                    recorded=recorded.get)
-                with _out_of_memory_is_named("the forward pass that replays the units"):
-                    trace = trace_units(model, choice.units,
-                                        lambda: runner.forward(autocast_cache=False),
-                                        on_unit=measurer, ops_between=ops)
+                found = model_head(head, loop, runner, state)
+            with frugal_forwards(head, loop, model, found) as through_head_loss:
+                chosen = _units_pass(run, units, given, level)
+                trace, measurer = _capture_pass(run, chosen)
             clear_grads(state.params)
             state.rng.restore()
             state.restore_buffers()
@@ -312,24 +343,75 @@ def _profile(
             ordered = [(name, trace.calls[name].module) for name in trace.order]
             # In train mode, as the session runs the model: what recomputation snapshots.
             stashed = [recompute_snapshot_bytes(module, device.type) for _, module in ordered]
-            trained = {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
-                       if name in measurer.trained}
-            found = head_to_measure(settings.head, loop, runner, state, through_head_loss, found)
-            site = found.site
-            fixed = fixed_bytes(model, optimizer) + batch_bytes(sample_batch, device)
-            with _out_of_memory_is_named("the code outside the units"):
-                bar.step("outside steps")
-                runs = measure_outside(
-                    runner, ordered, is_chain=trace.chain.is_chain, state=state, watch=watch,
-                    timed=TimedRuns(settings.warmup, settings.repeats, settings.tolerance),
-                    trained=trained, site=site,
-                    unit_figures=[measurer.figures[name] for name, _ in ordered])
+            found = head_to_measure(head, loop, runner, state, through_head_loss, found)
+            # Before the outside steps, which give the optimizer its state.
+            fixed = fixed_bytes(model, settings.optimizer) + batch_bytes(sample_batch, device)
+            runs = _outside_passes(run, ordered, trace.chain.is_chain, measurer, found.site)
     finally:
         bar.close()
+    measured = _measurements(run, ordered, trace, measurer, runs[-1], fixed=fixed,
+                             stashed=stashed)
+    seconds = time.perf_counter() - started
+    result = _assembled(run, measured, runs, chosen.choice, measurer, found, seconds)
+    _log_profiled(result, run, chosen.choice, seconds)
+    return result, chosen.choice
 
-    # The head as it is when it was measured, else with the fewest chunks that fit.
-    top = runs[-1]
-    measured = Measurements(
+
+def _units_pass(run: _Profiling, units: UnitsSpec, given: list[tuple[str, nn.Module]] | None,
+                level: str) -> _UnitsFound:
+    """Pass 0: one forward pass records what every module saves; the units are chosen on
+    it (or taken as ``given``) and their coverage measured. The record is let go here."""
+    with _out_of_memory_is_named("the forward pass that records what modules save"):
+        run.bar.step("units")
+        record = record_saves(run.model, lambda: run.runner.forward(autocast_cache=False))
+    run.state.rng.restore()
+    run.state.restore_buffers()
+    choice = choose(run.model, record, units, given, level)
+    recorded = {name: (call.ops, record.saved_inside(call.index))
+                for name in choice.names if (call := record.call(name)) is not None}
+    return _UnitsFound(choice, record.ops_between(choice.names), recorded)
+
+
+def _capture_pass(run: _Profiling, found: _UnitsFound) -> tuple[UnitTrace, UnitMeasurer]:
+    """Pass 1: one forward pass, saving nothing, traces the units; each is replayed alone
+    at its call under each option (:class:`UnitMeasurer`, which keeps the figures)."""
+    settings, choice = run.settings, found.choice
+    unit_bytes = dict(choice.coverage.per_unit)
+    run.bar.total += len(choice.units)  # now known
+    more_warmup = max(settings.warmup - 1, 0)  # a metered run is the first warm-up run
+    measurer = UnitMeasurer(
+        run.options, run.runner, run.watch,
+        TimingPolicy(more_warmup, settings.repeats, settings.tolerance, settings.pool_twins),
+        run.bar, needs_bytes=lambda name: unit_bytes.get(name, 0), recorded=found.recorded.get)
+    with _out_of_memory_is_named("the forward pass that replays the units"):
+        trace = trace_units(run.model, choice.units,
+                            lambda: run.runner.forward(autocast_cache=False),
+                            on_unit=measurer, ops_between=found.ops_between)
+    return trace, measurer
+
+
+def _outside_passes(run: _Profiling, ordered: list[tuple[str, nn.Module]], is_chain: bool,
+                    measurer: UnitMeasurer, site: HeadSite | None) -> list[OutsideRun]:
+    """Passes 2 to 4: the code outside the units, timed and instrumented, for the head as
+    it is and over each chunk count where one is measured (the runs that fit)."""
+    settings = run.settings
+    trained = {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
+               if name in measurer.trained}
+    with _out_of_memory_is_named("the code outside the units"):
+        run.bar.step("outside steps")
+        return measure_outside(
+            run.runner, ordered, is_chain=is_chain, state=run.state, watch=run.watch,
+            timed=TimedRuns(settings.warmup, settings.repeats, settings.tolerance),
+            trained=trained, site=site,
+            unit_figures=[measurer.figures[name] for name, _ in ordered])
+
+
+def _measurements(run: _Profiling, ordered: list[tuple[str, nn.Module]], trace: UnitTrace,
+                  measurer: UnitMeasurer, top: OutsideRun, *, fixed: int,
+                  stashed: list[int]) -> Measurements:
+    """Everything measured, for :func:`build_profile`: the outside code's figures are
+    ``top``'s, the head as it is where it was measured, else with the fewest chunks."""
+    return Measurements(
         units=ordered,
         chain=trace.chain,
         base=top.step,
@@ -339,45 +421,87 @@ def _profile(
         grads=top.grads,
         steps=top.steps,
         fixed_bytes=fixed,
-        param_bytes=storage_bytes(model.parameters()),
-        buffer_bytes=storage_bytes(model.buffers()),
-        loop=loop,
-        batch_bytes=batch_bytes(sample_batch, device),
+        param_bytes=storage_bytes(run.model.parameters()),
+        buffer_bytes=storage_bytes(run.model.buffers()),
+        loop=run.settings.loop,
+        batch_bytes=batch_bytes(run.batch, run.device),
         inputs_kept_by_caller=trace.kept_by_caller if trace.chain.is_chain else [],
         recompute_state_bytes=stashed,
-        recompute_rng_bytes=_recompute_rng_bytes(device),
+        recompute_rng_bytes=_recompute_rng_bytes(run.device),
     )
-    seconds = time.perf_counter() - started
+
+
+def _assembled(run: _Profiling, measured: Measurements, runs: list[OutsideRun],
+               choice: UnitChoice, measurer: UnitMeasurer, found: HeadFinding,
+               seconds: float) -> Profile:
+    """Pass 5: the :class:`Profile`, with its coverage and, where a head was measured,
+    its variants."""
+    settings = run.settings
     result = build_profile(
         measured,
-        device=device,
-        dtype=model_dtype(model),
-        shapes=input_shapes(sample_batch),
+        device=run.device,
+        dtype=model_dtype(run.model),
+        shapes=input_shapes(run.batch),
         meta={"torch": torch.__version__, "meter": "dispatch", "warmup": settings.warmup,
               "repeats": settings.repeats, "tolerance": settings.tolerance,
               "pool_twins": settings.pool_twins, "profile_s": round(seconds, 3)},
     )
-    result = _with_coverage(result, choice, measurer.figures, opts)
+    result = _with_coverage(result, choice, measurer.figures, run.options)
     if found.refusal is not None:  # why the head is not chunked, for the estimate and plans
         result = replace(result, meta={**result.meta, "head_not_chunked": found.refusal})
-    if site is not None:
-        variants = {run.chunks: build_profile(
-            replace(measured, base=run.step, outside=run.times, grads=run.grads,
-                    steps=run.steps),
-            device=device, dtype=result.dtype, shapes=result.input_shapes, meta={})
-            for run in runs if run.chunks is not None}
-        result = head_profile(result, site, model.get_submodule(site.name), variants,
-                              as_is=top.chunks is None)
+    if found.site is None:
+        return result
+    variants = {v.chunks: build_profile(
+        replace(measured, base=v.step, outside=v.times, grads=v.grads, steps=v.steps),
+        device=run.device, dtype=result.dtype, shapes=result.input_shapes, meta={})
+        for v in runs if v.chunks is not None}
+    return head_profile(result, found.site, run.model.get_submodule(found.site.name),
+                        variants, as_is=runs[-1].chunks is None)
+
+
+def _log_profiled(result: Profile, run: _Profiling, choice: UnitChoice, seconds: float) -> None:
     log.info(
         "profiled %d units of %s (%s, coverage %.0f%%) in %.2f s (%.1f steps): step %.2f ms "
-        "(derived), outside step peak %d B", result.n, type(model).__name__,
+        "(derived), outside step peak %d B", result.n, type(run.model).__name__,
         "chain" if result.is_chain else "not a chain", 100 * choice.coverage.fraction, seconds,
         seconds * 1e3 / max(result.step_ms, 1e-9), result.step_ms,
         result.meta["outside_step_peak_bytes"],
     )
     log.debug("profile phases (s): %s",
-              {k: round(v, 3) for k, v in bar.durations().items()})
-    return result, choice
+              {k: round(v, 3) for k, v in run.bar.durations().items()})
+
+
+def check_chain(model: nn.Module, sample_batch: Any, *, units: Any = None,
+                loss_fn: Any = None) -> ChainCheck:
+    """Run one forward pass of ``model`` and tell whether its units form a chain.
+
+    ``units`` as for :func:`~remat.profiler.units.discover_units`; by default the units
+    ``profile()`` would discover (:func:`~remat.profiler.choice.find_units`, which
+    runs the forward pass once more, and the loss: ``loss_fn`` when the output has no
+    ``.loss``; a model without a loss is recorded up to its output). The model is
+    left as it was (buffers, RNG state, modes; no backward runs).
+    """
+    found = _units_to_check(model, sample_batch, units, loss_fn)
+    with training_session(model):
+        trace = trace_units(model, found, lambda: call_model(model, sample_batch))
+    return trace.chain
+
+
+def _units_to_check(model: nn.Module, sample_batch: Any, units: Any,
+                    loss_fn: Any) -> list[tuple[str, nn.Module]]:
+    """:func:`check_chain`'s units: those given, else pass 0's choice."""
+    if units is not None:
+        return discover_units(model, units)
+
+    def forward() -> Any:
+        output = call_model(model, sample_batch)
+        return output if loss_fn is None else loss_fn(output, sample_batch)
+
+    # The loss only adds saves outside the model, which no unit can hold: without
+    # one, discovery sees the same modules.
+    with training_session(model):
+        record = record_saves(model, forward)
+    return choose(model, record).units
 
 
 # Why a pass that ran out of memory means no plan fits, and what to do instead.
