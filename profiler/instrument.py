@@ -184,9 +184,6 @@ class _StepWatch:
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def saved_by(self, rec: int | None, phase: Phase) -> bool:
-        return rec is not None and any(rec == s and p == phase for p, s in self.saved)
-
     def held_outside(self, rec: int | None, own: set[Phase]) -> bool:
         return rec is not None and any(rec == s and p not in own for p, s in self.saved)
 
