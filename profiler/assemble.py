@@ -1,4 +1,6 @@
-"""Turning the profiler's measurements into a :class:`Profile`.
+"""Pass 5 of :mod:`.profile` (assembly).
+
+Turning the profiler's measurements into a :class:`Profile`.
 
 Unit figures come from the isolated replays (:mod:`.replay`, at each unit's call);
 everything outside the units, the boundary storages and the outside code's parameter

@@ -1,4 +1,6 @@
-"""The repeated blocks of a model, read off its module tree (no measurement).
+"""Pass 0 of :mod:`.profile` (units).
+
+The repeated blocks of a model, read off its module tree (no measurement).
 
 A *block* is a candidate unit. In order of trust:
 

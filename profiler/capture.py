@@ -1,4 +1,6 @@
-"""The capture pass: one forward pass that records how the units run, and replays each
+"""Pass 1 of :mod:`.profile` (capture and replays).
+
+The capture pass: one forward pass that records how the units run, and replays each
 unit where it runs.
 
 It records, without the memory meter:

@@ -1,4 +1,6 @@
-"""Which modules a profile measures as units, and what they cover: one call for
+"""Pass 0 of :mod:`.profile` (units).
+
+Which modules a profile measures as units, and what they cover: one call for
 ``profile()``, ``check_chain()`` and users (:func:`find_units`).
 
 With ``units=None`` the units are discovered on a recorded forward pass

@@ -1,4 +1,6 @@
-"""Coverage: the share of the step's activation memory that the units hold.
+"""Pass 0 of :mod:`.profile` (units).
+
+Coverage: the share of the step's activation memory that the units hold.
 
 Activation memory is every storage autograd saves for backward during the step
 (parameters, buffers and the batch aside), as one forward pass records it

@@ -1,4 +1,6 @@
-"""Default unit discovery, measured: the repeated blocks of the whole model, at the
+"""Pass 0 of :mod:`.profile` (units).
+
+Default unit discovery, measured: the repeated blocks of the whole model, at the
 level that holds its activation memory, joined by the modules that make them a chain.
 
 From the blocks of the module tree (:mod:`.blocks`) and one recorded forward pass

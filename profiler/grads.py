@@ -1,4 +1,6 @@
-"""Where each parameter's gradient is first allocated in the backward pass.
+"""Pass 3 of :mod:`.profile` (outside step).
+
+Where each parameter's gradient is first allocated in the backward pass.
 
 A parameter's gradient bytes are counted at the backward phase that first contributes
 to it: the suffix's (the head), a unit's, the prefix's, or off a chain the code's

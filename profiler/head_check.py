@@ -1,4 +1,6 @@
-"""Before a chunked head is offered: run the user's step both ways on one example.
+"""Pass 4 of :mod:`.profile` (head variants).
+
+Before a chunked head is offered: run the user's step both ways on one example.
 
 A chunked head changes how the user's loss is computed (:mod:`remat.execute.head`). It is
 offered only where it is checked on this model, in this loop, on a slice of the sample

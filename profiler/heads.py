@@ -1,4 +1,6 @@
-"""The output head's chunked variants: which head to measure, over which chunk counts,
+"""Pass 4 of :mod:`.profile` (head variants).
+
+The output head's chunked variants: which head to measure, over which chunk counts,
 and what each variant changes in the profile.
 
 With every block checkpointed a language model's step peaks in its head and loss (the

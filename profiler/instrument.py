@@ -1,4 +1,6 @@
-"""The outside step: what the code *outside* the units costs, measured in a real step.
+"""Pass 3 of :mod:`.profile` (outside step).
+
+The outside step: what the code *outside* the units costs, measured in a real step.
 
 One training step of the loop runs with every unit a stub (:mod:`.stub`: its own
 forward under ``no_grad``, nothing saved, a gradient of ones for each of its inputs in

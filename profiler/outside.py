@@ -1,4 +1,6 @@
-"""The code outside the units, measured: for the head as it is and, where a head is to be
+"""Pass 4 of :mod:`.profile` (head variants).
+
+The code outside the units, measured: for the head as it is and, where a head is to be
 measured (:mod:`.heads`), with it over each chunk count.
 
 Each measurement is the outside time's stub steps (:mod:`.outside_time`) and one

@@ -1,4 +1,6 @@
-"""Stub steps (:mod:`.stub`) run plainly: the outside code's time, and the optimizer's figures.
+"""Pass 2 of :mod:`.profile` (outside time).
+
+Stub steps (:mod:`.stub`) run plainly: the outside code's time, and the optimizer's figures.
 
 The unplanned step is never run, so its time is derived: the outside code's forward and
 backward time, measured here on steps whose units are stubs (each step's time less the

@@ -1,4 +1,6 @@
-"""A one-line progress display on stderr, shown only on a terminal.
+"""A tool of every pass of :mod:`.profile`.
+
+A one-line progress display on stderr, shown only on a terminal.
 
 ``progress=None`` or ``True`` shows it when stderr is a TTY; ``False`` never
 does. Everything else the profiler has to say goes through ``logging`` (logger

@@ -1,4 +1,6 @@
-"""The records the profiler's passes hand each other, in one place.
+"""A tool of every pass of :mod:`.profile`.
+
+The records the profiler's passes hand each other, in one place.
 
 A pass imports the records it reads and fills from here, never from another pass, so
 that the passes stay a row (:mod:`.profile` names them and runs them in order): each

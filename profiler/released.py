@@ -1,4 +1,6 @@
-"""A backward's live bytes as they would be with each parameter gradient freed as soon as it
+"""Pass 1 of :mod:`.profile` (capture and replays).
+
+A backward's live bytes as they would be with each parameter gradient freed as soon as it
 is complete, read off a plain backward's timeline.
 
 In a loop that steps the optimizer in backward (``Loop(optimizer_in_backward=True)``) a

@@ -1,4 +1,6 @@
-"""Isolated replays: one unit, on its captured inputs, under each option.
+"""Pass 1 of :mod:`.profile` (capture and replays).
+
+Isolated replays: one unit, on its captured inputs, under each option.
 
 :func:`measure_option` gives an option's bytes (keep's usually come from the
 baseline step instead: :func:`~remat.profiler.instrument.instrumented_step`

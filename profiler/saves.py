@@ -1,4 +1,6 @@
-"""One measured forward pass: what every module call saves for backward, and how calls connect.
+"""Pass 0 of :mod:`.profile` (units).
+
+One measured forward pass: what every module call saves for backward, and how calls connect.
 
 Unit discovery and coverage are decided on this record, not guessed from names or
 list lengths. While the model's forward (and the loss) runs once:

@@ -1,4 +1,6 @@
-"""The outside step: one training step in which every unit is a stub.
+"""A tool of passes 2 and 3 of :mod:`.profile`.
+
+The outside step: one training step in which every unit is a stub.
 
 What the code outside the units costs (the prefix before the first unit, the suffix
 after the last, the code between units), which boundaries it holds, what the loop

@@ -1,4 +1,6 @@
-"""A memory meter that also remembers when each storage was born and when it died.
+"""A tool of passes 1 and 3 of :mod:`.profile`.
+
+A memory meter that also remembers when each storage was born and when it died.
 
 :class:`MemoryMeter` gives live and peak bytes at marks. Attributing bytes to the
 code that *holds* them needs more: which storages a phase allocated and whether

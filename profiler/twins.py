@@ -1,4 +1,6 @@
-"""Twin units: the same computation on the same kind of input, so one timing serves all.
+"""Pass 1 of :mod:`.profile` (capture and replays).
+
+Twin units: the same computation on the same kind of input, so one timing serves all.
 
 A transformer's blocks (or an MLP's layers) are copies of one module run on
 inputs of one shape: their replays take the same time up to noise. The

@@ -1,4 +1,6 @@
-"""Each unit's figures under each option, measured at its own call in the capture pass.
+"""Pass 1 of :mod:`.profile` (capture and replays).
+
+Each unit's figures under each option, measured at its own call in the capture pass.
 
 :func:`~remat.profiler.capture.trace_units` calls a :class:`UnitMeasurer` at each unit's
 call, before the unit runs, with its live inputs: the unit is replayed alone there

@@ -1,4 +1,6 @@
-"""Units: the modules whose activations a plan keeps, checkpoints or offloads.
+"""Pass 0 of :mod:`.profile` (units).
+
+Units: the modules whose activations a plan keeps, checkpoints or offloads.
 
 Default discovery is **measured** (:func:`remat.profiler.choice.find_units`, which
 ``profile()`` runs): the repeated blocks of the whole model (:mod:`.blocks`),

@@ -13,6 +13,7 @@ is checked by ``test_import_cost.py`` and ``solver/test_solver_import.py``.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -279,3 +280,66 @@ def test_the_architecture_page_lists_the_floors() -> None:
     assert listed == expected, (
         f"{ARCHITECTURE_DOC.relative_to(ROOT)}'s floors differ from FLOORS; as FLOORS "
         "has them:\n" + "\n".join(expected))
+
+
+# The profiler is a row of passes (profiler/profile.py's docstring numbers them): each
+# module opens its docstring with the pass it belongs to, or says it is a tool of several,
+# and no function runs past a screen, so each pass reads as named steps.
+PROFILER = FOLDERS["remat.profiler"]
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(folder: Path, limit: int) -> list[str]:
+    """``file:line name (n lines)`` for every function or method in ``folder`` longer than
+    ``limit`` lines, counted from its ``def`` to its last line."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(folder)}:{node.lineno} {node.name} "
+                                 f"({length} lines)")
+    return found
+
+
+def test_no_profiler_function_is_over_80_lines() -> None:
+    assert _long_functions(PROFILER, MAX_FUNCTION_LINES) == [], (
+        "split it into named steps (a small record between them where they share state)")
+
+
+def test_the_length_rule_catches_a_long_function(tmp_path: Path) -> None:
+    (tmp_path / "fits.py").write_text("def fits():\n" + "    x = 1\n" * (MAX_FUNCTION_LINES - 1))
+    (tmp_path / "long.py").write_text("class C:\n    def long(self):\n"
+                                      + "        x = 1\n" * MAX_FUNCTION_LINES)
+    assert _long_functions(tmp_path, MAX_FUNCTION_LINES) == [
+        f"long.py:2 long ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+def _passes() -> dict[str, tuple[int, str]]:
+    """Module name -> (its pass, the pass's name), as profile.py's docstring lists them:
+    ``N. **name** (:mod:`.a`, :mod:`.b`): ...``."""
+    doc = ast.get_docstring(ast.parse((PROFILER / "profile.py").read_text())) or ""
+    passes = {}
+    for number, name, modules in re.findall(r"^(\d)\. \*\*(.+?)\*\* \(([^)]*)\)", doc, re.M):
+        for module in re.findall(r":mod:`\.(\w+)`", modules):
+            passes[module] = (int(number), name)
+    return passes
+
+
+def test_each_profiler_module_says_which_pass_it_is() -> None:
+    passes = _passes()
+    assert sorted({number for number, _ in passes.values()}) == [0, 1, 2, 3, 4, 5]
+    for path in sorted(PROFILER.glob("*.py")):
+        if path.stem in ("__init__", "profile"):  # the package, and the row itself
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        first = doc.splitlines()[0] if doc else ""
+        if path.stem in passes:
+            number, name = passes[path.stem]
+            assert first == f"Pass {number} of :mod:`.profile` ({name}).", (
+                f"{path.name}'s docstring opens with {first!r}")
+        else:
+            assert first.startswith("A tool of "), (
+                f"{path.name} is in no pass that profile.py's docstring lists, and says it "
+                f"is no tool of several: {first!r}")
