@@ -460,6 +460,8 @@ def _assembled(run: _Profiling, measured: Measurements, runs: list[OutsideRun],
 
 
 def _log_profiled(result: Profile, run: _Profiling, choice: UnitChoice, seconds: float) -> None:
+    """One info line a user can compare runs by (what profiling cost, in steps of the
+    model), and the time each pass took, for debugging a slow profile."""
     log.info(
         "profiled %d units of %s (%s, coverage %.0f%%) in %.2f s (%.1f steps): step %.2f ms "
         "(derived), outside step peak %d B", result.n, type(run.model).__name__,
