@@ -278,8 +278,18 @@ def solve(
     else:
         from remat.tune.ambient import planning
         from remat.tune.profile_cache import note_restored
+        from remat.tune.sharded import is_sharded, solve_sharded
 
         model = model_or_profile
+        if is_sharded(model):  # FSDP2: every rank calls; one plan for all (remat.tune.sharded)
+            if compiled:
+                raise RematError("compiled=True is not supported on a model sharded with "
+                                 "fully_shard yet; solve without it")
+            return solve_sharded(model, sample_batch, budget, method=method, loss_fn=loss_fn,
+                                 optimizer=optimizer, units=units, options=options, loop=loop,
+                                 granularity=granularity, head=head, verify=verify,
+                                 verify_rounds=verify_rounds, verify_steps=verify_steps,
+                                 solver_params=solver_params)
         with planning(model, loop, "solve()") as loop:
             settings = {"loss_fn": loss_fn, "optimizer": optimizer, "units": units,
                         "options": options, "loop": loop, "head": head}
