@@ -318,8 +318,18 @@ def solve_with(
                       method=method, verify=None, solver_params=solver_params)
     else:
         from remat.tune.ambient import planning
+        from remat.tune.sharded import is_sharded, solve_sharded
 
         model = model_or_profile
+        if is_sharded(model):  # FSDP2: every rank calls; one plan for all (remat.tune.sharded)
+            return solve_sharded(
+                model, sample_batch, budget, method=method, loss_fn=settings.loss_fn,
+                optimizer=settings.optimizer, units=settings.units, options=settings.options,
+                loop=settings.loop, granularity=settings.granularity, head=settings.head,
+                verify=verify is not None,
+                verify_rounds=verify.rounds if verify is not None else 1,
+                verify_steps=verify.steps if verify is not None else 1,
+                solver_params=solver_params)
         with planning(model, settings.loop, owner) as loop:
             settings = settings.replace(loop=loop)
             found = _profile(model, sample_batch, settings)
@@ -420,7 +430,11 @@ def _solve_compiled(model: Any, sample_batch: Any, memory_budget: Any,
             "batch and a budget: remat.solve_compiled(model, sample_batch, memory_budget=...)")
     from remat.tune.ambient import planning
     from remat.tune.profile_cache import note_restored
+    from remat.tune.sharded import is_sharded
 
+    if is_sharded(model):
+        raise ArgumentError(f"{owner}: the compiled search does not support a model sharded "
+                            "with fully_shard yet; plan it with remat.solve (eager)")
     with planning(model, settings.loop, owner) as loop:
         settings = settings.replace(loop=loop)
         prof = _profile(model, sample_batch, settings).profile

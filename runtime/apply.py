@@ -40,6 +40,7 @@ from remat.execute.options import (
     tracking_batchnorms,
 )
 from remat.execute.planned import STATE_ATTR, unwrap
+from remat.execute.sharding import check_world_size
 from remat.execute.structure import (
     describe_mismatch,
     holds_a_unit,
@@ -538,6 +539,7 @@ def _validate(model: nn.Module, plan: Plan) -> list[nn.Module]:
     _check_depth(model, plan, modules)
     _check_options(plan)
     _check_device(model, plan)
+    check_world_size(model, plan)
     check_head(model, plan)
     return modules
 

@@ -1,0 +1,91 @@
+"""One rank's step of a model sharded with FSDP2, from the profile of that rank's passes.
+
+``profile()`` runs on a ``fully_shard``-ed model as it is, on every rank at once, and
+gathers nothing FSDP2 would not: the capture pass calls the model, so FSDP2's own
+pre-forward hook all-gathers each unit before remat's hook replays it, and its
+post-forward hook reshards it after (the replays run inside that window, on the
+unit's gathered parameters, and call the unit's ``forward`` itself, so FSDP2's hooks
+do not run again); the parameter snapshots are of the DTensor parameters, whose
+storage is this rank's local shard. Every rank runs the same passes in the same order,
+so the collectives of FSDP2's hooks match.
+
+What the passes measure of the units is each rank's activations on its own
+micro-batch; what they cannot see is FSDP2's own memory around each unit, which the
+replays run outside of: :func:`sharded_profile` adds it, with the exact sizes read off
+the model (:mod:`remat.execute.sharding`):
+
+* a unit's gradients stay as this rank's shard after its reduce-scatter (the replays'
+  unsharded gradients are in their backward's peak, and so counted while they live);
+* its forward holds its gathered parameters (to its backward, where it does not
+  reshard after the forward); its backward holds them gathered again, their
+  reduce-scatter copy, the previous unit's prefetched parameters and the next unit's
+  reduce-scatter buffer not yet reclaimed;
+* :data:`IN_FLIGHT` units' gathered parameters are counted alive through the forward
+  and the backward: FSDP2's asynchronous collectives let buffers of other units
+  outlive the hooks that made them, by a varying amount from step to step.
+
+The outside figures (the root's code: embeddings, the head) are measured as they ran,
+under the root's FSDP2 state; the outside step's stubs keep FSDP2's gathers of the
+units they run (they have no gradient to reduce-scatter), so those figures err high.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from remat.core.errors import ProfileError
+from remat.core.profile import OptionCost, Profile
+from remat.execute.sharding import ShardedUnit, sharded_unit, world_size
+
+__all__ = ["IN_FLIGHT", "sharded_profile"]
+
+IN_FLIGHT = 1  # units' gathered parameters counted in flight throughout (module docstring)
+
+
+def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
+    """``profile`` (measured on this rank of the sharded ``model``) as this rank's step,
+    FSDP2's buffers included (see the module docstring).
+
+    Raises:
+        ProfileError: a unit of ``profile`` is not a submodule of ``model``.
+    """
+    world = world_size(model)
+    try:
+        figures = [sharded_unit(model.get_submodule(u.name)) for u in profile.units]
+    except AttributeError as err:
+        raise ProfileError(f"the profile's units are not the model's: {err}") from None
+    gathered = [f.gathered_bytes for f in figures]
+    in_flight = IN_FLIGHT * max(gathered, default=0)
+    units = [dataclasses.replace(
+        unit, options={name: _with_fsdp(cost, figures, i) for name, cost in unit.options.items()},
+        param_grad_bytes=figures[i].shard_bytes)
+        for i, unit in enumerate(profile.units)]
+    prefix = dataclasses.replace(
+        profile.prefix,
+        held_bytes=profile.prefix.held_bytes + in_flight,
+        fwd_peak_bytes=profile.prefix.fwd_peak_bytes + in_flight)
+    meta = {**profile.meta, "fsdp_world_size": world, "fsdp_per_rank": True,
+            "fsdp_gathered_bytes": gathered}
+    return dataclasses.replace(profile, units=tuple(units), prefix=prefix, meta=meta)
+
+
+def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int) -> OptionCost:
+    """One option's cost of unit ``i`` with FSDP2's buffers around it."""
+    own = figures[i]
+    prefetched = figures[i - 1].gathered_bytes if i > 0 else 0
+    lingering = figures[i + 1].gathered_bytes if i + 1 < len(figures) else 0
+    gathered = own.gathered_bytes
+    if own.reshard_after_forward:
+        # Gathered for the forward, gathered again for the backward (with its
+        # reduce-scatter copy, the prefetch, the unreclaimed buffer after it).
+        return dataclasses.replace(
+            cost, fwd_peak_bytes=cost.fwd_peak_bytes + gathered,
+            bwd_peak_bytes=cost.bwd_peak_bytes + 2 * gathered
+            + prefetched + lingering)
+    # Kept gathered from the forward to the end of the backward: held, not re-gathered.
+    return dataclasses.replace(
+        cost, held_bytes=cost.held_bytes + gathered,
+        fwd_peak_bytes=cost.fwd_peak_bytes + gathered,
+        bwd_peak_bytes=cost.bwd_peak_bytes + gathered + lingering)
