@@ -25,8 +25,15 @@ the model (:mod:`remat.execute.sharding`):
   outlive the hooks that made them, by a varying amount from step to step.
 
 The outside figures (the root's code: embeddings, the head) are measured as they ran,
-under the root's FSDP2 state; the outside step's stubs keep FSDP2's gathers of the
-units they run (they have no gradient to reduce-scatter), so those figures err high.
+under the root's FSDP2 state. FSDP2 frees a unit's gathered parameters by resizing their
+storage to 0 and gathers them again into the same storage, which no dispatch-level
+meter saw: counted by allocation alone they stayed live from their first gather on (the
+outside step's prefix once "held" the whole model's parameters, unsharded, 0.85 MB on
+the 4-block GPT where the unsharded model's prefix held 512 B). The meter now counts
+those resizes (:mod:`remat.measurement.meter`), and the allocator's view closes the
+frees the CPU profiler did not record on gloo's threads
+(:func:`remat.measurement.allocator.unrecorded_frees_closed`), which made one step's
+measured peak vary by up to 3 units' parameters from run to run.
 """
 
 from __future__ import annotations
@@ -58,16 +65,22 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
         raise ProfileError(f"the profile's units are not the model's: {err}") from None
     gathered = [f.gathered_bytes for f in figures]
     in_flight = IN_FLIGHT * max(gathered, default=0)
+    # The root's own parameters (embeddings, the head: in no unit) are gathered by its
+    # pre-forward, which runs before the outside step's first mark, and stay gathered to
+    # its post-forward, which encloses the whole forward; its pre-backward, at the start
+    # of the backward, gathers them again until its post-backward at the end. So they are
+    # held through the step whether it reshards after its forward or not.
+    root = max(sharded_unit(model).gathered_bytes - sum(gathered), 0)
     units = [dataclasses.replace(
         unit, options={name: _with_fsdp(cost, figures, i) for name, cost in unit.options.items()},
         param_grad_bytes=figures[i].shard_bytes)
         for i, unit in enumerate(profile.units)]
     prefix = dataclasses.replace(
         profile.prefix,
-        held_bytes=profile.prefix.held_bytes + in_flight,
-        fwd_peak_bytes=profile.prefix.fwd_peak_bytes + in_flight)
+        held_bytes=profile.prefix.held_bytes + in_flight + root,
+        fwd_peak_bytes=profile.prefix.fwd_peak_bytes + in_flight + root)
     meta = {**profile.meta, "fsdp_world_size": world, "fsdp_per_rank": True,
-            "fsdp_gathered_bytes": gathered}
+            "fsdp_gathered_bytes": gathered, "fsdp_root_gathered_bytes": root}
     return dataclasses.replace(profile, units=tuple(units), prefix=prefix, meta=meta)
 
 
