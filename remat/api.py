@@ -124,8 +124,15 @@ def profile_with(model: nn.Module, sample_batch: Any, settings: ProfilingSetting
     trainer callbacks hold them so): the loop is the ambient autocast's where
     ``settings.loop`` is ``None`` (``owner`` names the caller in what it logs or refuses)."""
     from remat.tune.ambient import planning
+    from remat.tune.sharded import is_sharded, profile_sharded
 
     with planning(model, settings.loop, owner) as loop:
+        if is_sharded(model):  # FSDP2: every rank calls; the worst rank's step, on each
+            return profile_sharded(model, sample_batch, loss_fn=settings.loss_fn,
+                                   optimizer=settings.optimizer, units=settings.units,
+                                   options=settings.options, loop=loop,
+                                   granularity=settings.granularity, head=settings.head,
+                                   settings={"owner": owner})
         return _profile(model, sample_batch, settings.replace(loop=loop)).profile
 
 

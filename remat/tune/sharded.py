@@ -46,7 +46,8 @@ from remat.core.profile import UNIT_TYPE_COUNTS, Profile
 from remat.execute.sharding import is_sharded, world_size
 from remat.measurement.step import StepMeasurement
 
-__all__ = ["AGREE_TIMEOUT_S", "agree", "is_sharded", "solve_sharded", "worst_profile"]
+__all__ = ["AGREE_TIMEOUT_S", "agree", "is_sharded", "profile_sharded", "solve_sharded",
+           "worst_profile"]
 
 log = logging.getLogger("remat")
 
@@ -185,6 +186,55 @@ def _max_over_ranks(value: int, group: Any) -> int:
     return int(t.item())
 
 
+def profile_sharded(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    memory_budget: Any = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    optimizer: Any = None,
+    units: Any = None,
+    options: Sequence[str] | None = None,
+    loop: Loop | None = None,
+    granularity: str = "blocks",
+    head: str = "auto",
+    timeout_s: float = AGREE_TIMEOUT_S,
+    group: Any = None,
+    settings: Mapping[str, Any] | None = None,
+) -> Profile:
+    """The worst rank's step of the sharded ``model``, the same profile on every rank
+    (steps 1 to 3 of the module docstring): what ``remat.profile`` returns on a sharded
+    model, and what ``solve`` plans. Every rank must call it (a collective).
+
+    Raises:
+        RematError: no process group, ranks that disagree or do not all call, or
+            ``granularity`` other than ``"blocks"`` (each ``fully_shard``-ed block a unit).
+    """
+    from remat.execute.structure import unit_type_counts
+    from remat.profiler import profile_levels
+    from remat.profiler.sharded import sharded_profile
+
+    if granularity != "blocks":
+        raise RematError(f"granularity={granularity!r} on a sharded model: only 'blocks' (each "
+                         "fully_shard-ed block a unit) is supported there")
+    described = {"units": units, "options": options, "head": head,
+                 "optimizer": type(optimizer).__name__,
+                 "loss_fn": getattr(loss_fn, "__qualname__", loss_fn), **(settings or {})}
+    agree(call_description(model, sample_batch, memory_budget, loop=loop,
+                           settings=described), timeout_s=timeout_s, group=group)
+    local, _ = profile_levels(model, sample_batch, loss_fn=loss_fn, units=units,
+                              optimizer=optimizer, options=options, loop=loop,
+                              granularity="blocks", head=head, progress=False,
+                              # Every rank runs every timed run: stopping early on
+                              # one rank's timings would skip collectives others run.
+                              tolerance=0.0)
+    counts = unit_type_counts(model, (u.type_name for u in local.units),
+                              [u.name for u in local.units])
+    sharded = sharded_profile(local, model)
+    local = dataclasses.replace(sharded, meta={**sharded.meta, UNIT_TYPE_COUNTS: counts})
+    return worst_profile(_gather_profiles(local, group))
+
+
 def solve_sharded(
     model: nn.Module,
     sample_batch: Any,
@@ -213,34 +263,19 @@ def solve_sharded(
             this route does not support (``granularity`` other than ``"blocks"``).
         InfeasibleBudgetError: no plan fits the budget on the worst rank.
     """
-    from remat.execute.structure import unit_type_counts
-    from remat.profiler import profile_levels
-    from remat.profiler.sharded import sharded_profile
     from remat.solver.solve import solve_profile
     from remat.tune.ambient import planning
     from remat.tune.verify import measure_plan, verified
 
     solver_params = dict(solver_params or {})
-    if granularity != "blocks":
-        raise RematError(f"granularity={granularity!r} on a sharded model: only 'blocks' (each "
-                         "fully_shard-ed block a unit) is supported there")
     settings = {"method": method, "units": units, "options": options, "head": head,
                 "verify": verify, "optimizer": type(optimizer).__name__,
                 "loss_fn": getattr(loss_fn, "__qualname__", loss_fn), **solver_params}
     with planning(model, loop, "solve()") as loop:
-        agree(call_description(model, sample_batch, memory_budget, loop=loop,
-                               settings=settings), timeout_s=timeout_s, group=group)
-        local, _ = profile_levels(model, sample_batch, loss_fn=loss_fn, units=units,
-                                  optimizer=optimizer, options=options, loop=loop,
-                                  granularity="blocks", head=head, progress=False,
-                                  # Every rank runs every timed run: stopping early on
-                                  # one rank's timings would skip collectives others run.
-                                  tolerance=0.0)
-        counts = unit_type_counts(model, (u.type_name for u in local.units),
-                                  [u.name for u in local.units])
-        local = dataclasses.replace(sharded_profile(local, model),
-                                    meta={**local.meta, UNIT_TYPE_COUNTS: counts})
-        prof = worst_profile(_gather_profiles(local, group))
+        prof = profile_sharded(model, sample_batch, memory_budget=memory_budget,
+                               loss_fn=loss_fn, optimizer=optimizer, units=units,
+                               options=options, loop=loop, granularity=granularity, head=head,
+                               timeout_s=timeout_s, group=group, settings=settings)
         world = world_size(model)
 
         def solve_at(budget: Any) -> Plan:
