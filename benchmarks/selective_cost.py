@@ -75,15 +75,24 @@ def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def backward_ops(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Self CPU ms per aten op in one backward pass."""
-    for p in model.parameters():
-        p.grad = None
-    loss = model(**batch).loss
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        loss.backward()
-    return {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()
-            if e.key.startswith("aten::")}
+def backward_ops(models: Sequence[nn.Module], batch: dict[str, torch.Tensor],
+                 repeats: int) -> list[dict[str, float]]:
+    """Per model, self CPU ms per aten op in its backward pass: the median of ``repeats``
+    profiled passes, taken in turns (ABAB) so that both see the same machine."""
+    samples: list[collections.defaultdict[str, list[float]]] = [
+        collections.defaultdict(list) for _ in models]
+    for _ in range(repeats):
+        for model, sample in zip(models, samples):
+            for p in model.parameters():
+                p.grad = None
+            loss = model(**batch).loss
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                loss.backward()
+            for e in prof.key_averages():
+                if e.key.startswith("aten::"):
+                    sample[e.key].append(e.self_cpu_time_total / 1e3)
+    return [{op: statistics.median(ms + [0.0] * (repeats - len(ms))) for op, ms in s.items()}
+            for s in samples]
 
 
 def one_setting(tokens: int, dropout: bool, rounds: int) -> dict[str, Any]:
@@ -101,7 +110,7 @@ def one_setting(tokens: int, dropout: bool, rounds: int) -> dict[str, Any]:
         for model, times in pair if r % 2 == 0 else pair[::-1]:
             times.append(step(model, batch))
         ratios.append(plan_t[-1] / plain_t[-1])
-    plain_ops, plan_ops = backward_ops(base, batch), backward_ops(planned, batch)
+    plain_ops, plan_ops = backward_ops([base, planned], batch, rounds)
     extra = {op: plan_ops.get(op, 0.0) - plain_ops.get(op, 0.0)
              for op in set(plain_ops) | set(plan_ops)}
     grouped: collections.Counter[str] = collections.Counter()
