@@ -218,8 +218,9 @@ def profile_levels(
     ``variants_needed`` is not a setting but a budget's question, asked by
     ``remat.solve`` (the profiler knows no solver): given the profile with the head as it
     is, whether the budget needs the head's chunked variants. Where it answers no, they
-    are not measured (:func:`remat.profiler.outside.measure_outside`) and the profile's
-    ``meta["head_variants"]`` is ``"not measured"``."""
+    are not measured (:func:`remat.profiler.outside.measure_outside`), where it answers
+    yes only the most frugal is, and the profile's ``meta["head_variants"]`` says which
+    (``"not measured"``, ``"most chunks only"``)."""
     check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop)
     check_timing(warmup, repeats, tolerance)
     if has_plan(model):
@@ -351,8 +352,11 @@ def _profile(
     measured, result = assemble(runs[-1])
     if found.refusal is not None:  # why the head is not chunked, for the estimate and plans
         result = replace(result, meta={**result.meta, "head_not_chunked": found.refusal})
-    if site is not None and len(runs) == 1 and runs[0].chunks is None:
-        result = replace(result, meta={**result.meta, "head_variants": "not measured"})
+    if site is not None and settings.variants_needed is not None:
+        # What a budget's question left out (remat.solve reads it: see profile_levels).
+        left_out = ("not measured" if all(run.chunks is None for run in runs)
+                    else "most chunks only")
+        result = replace(result, meta={**result.meta, "head_variants": left_out})
     if site is not None:
         variants = {run.chunks: build_profile(
             replace(measured, base=run.step, outside=run.times, grads=run.grads,

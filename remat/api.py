@@ -164,8 +164,9 @@ def _profile(model: nn.Module, sample_batch: Any, settings: ProfilingSettings, *
         return _with_unit_type_counts(pick_level(blocks, children), model)
 
     found = cached_profile(model, sample_batch, make, settings=settings, fresh=fresh)
-    if _variants_skipped(found.profile) and (variants_needed is None
-                                             or variants_needed(found.profile)):
+    partial = found.profile.meta.get("head_variants")
+    if partial is not None and (variants_needed is None or (
+            partial == "not measured" and variants_needed(found.profile))):
         found = cached_profile(model, sample_batch, lambda: make(None), settings=settings,
                                fresh=True)
     return found
