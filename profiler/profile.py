@@ -22,7 +22,9 @@ and every pass holds at most what the most frugal plan holds. The passes, in ord
    loop keeps, and where the outside code's parameter gradients appear.
 4. **head variants** (:mod:`.heads`, :mod:`.outside`): where a head is measured, passes 2
    and 3 again with the head and its loss over each chunk count, most frugal first
-   (before the head as it is, which may not fit the device the user plans for).
+   (before the head as it is, which may not fit the device the user plans for). Asked
+   by a budget (``variants_needed``, from ``remat.solve``), the head as it is runs first
+   and the variants only where the budget is below the head as written's floor.
 
 The figures of the unplanned step (the no-checkpoint peak, its time) are derived from
 these by ``simulate()``, not run; ``meta["outside_step_peak_bytes"]`` is the peak the
@@ -45,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,7 +71,7 @@ from remat.profiler.capture import ops_between_units, trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
 from remat.profiler.heads import frugal_forwards, head_profile, head_to_measure, model_head
-from remat.profiler.outside import TimedRuns, measure_outside
+from remat.profiler.outside import OutsideRun, TimedRuns, measure_outside
 from remat.profiler.progress import Progress
 from remat.profiler.replay import OptionFigures
 from remat.profiler.saves import record_saves
@@ -206,11 +208,19 @@ def profile_levels(
     loop: Loop | None = None,
     granularity: str = "blocks",
     head: str = "auto",
+    variants_needed: Callable[[Profile], bool] | None = None,
 ) -> tuple[Profile, Profile | None]:
     """The profile at ``granularity`` and, for ``"auto"`` where the blocks are few (under
     8) or one holds half of their memory, the profile of the blocks' children too
     (``None`` otherwise): :func:`profile`'s arguments, for the caller to compare
-    (:mod:`remat.granularity` does, with the solver)."""
+    (:mod:`remat.granularity` does, with the solver).
+
+    ``variants_needed`` is not a setting but a budget's question, asked by
+    ``remat.solve`` (the profiler knows no solver): given the profile with the head as it
+    is, whether the budget needs the head's chunked variants. Where it answers no, they
+    are not measured (:func:`remat.profiler.outside.measure_outside`), where it answers
+    yes only the most frugal is, and the profile's ``meta["head_variants"]`` says which
+    (``"not measured"``, ``"most chunks only"``)."""
     check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop)
     check_timing(warmup, repeats, tolerance)
     if has_plan(model):
@@ -226,7 +236,8 @@ def profile_levels(
         )
     level = check_granularity(granularity)
     settings = _Settings(loss_fn, optimizer, options, warmup, repeats, tolerance, pool_twins,
-                         progress, loop_or_default(loop), check_head_setting(head))
+                         progress, loop_or_default(loop), check_head_setting(head),
+                         variants_needed)
     result, choice = _profile(model, sample_batch, units, level, settings)
     finer = None
     if level == "auto" and choice.children is not None:
@@ -251,6 +262,8 @@ class _Settings:
     progress: bool | None
     loop: Loop
     head: str = "auto"
+    # A budget's question (see profile_levels): None measures every head variant.
+    variants_needed: Callable[[Profile], bool] | None = None
 
 
 def _recompute_rng_bytes(device: torch.device) -> int:
@@ -317,18 +330,61 @@ def _profile(
             found = head_to_measure(settings.head, loop, runner, state, through_head_loss, found)
             site = found.site
             fixed = fixed_bytes(model, optimizer) + batch_bytes(sample_batch, device)
+
+            def assemble(top: OutsideRun) -> tuple[Measurements, Profile]:
+                return _assembled(model, sample_batch, settings, choice, measurer, opts,
+                                  trace, ordered, stashed, fixed, top, started)
+
+            asked = settings.variants_needed
+            needed = None if asked is None else (lambda run: asked(assemble(run)[1]))
             with _out_of_memory_is_named("the code outside the units"):
                 bar.step("outside steps")
                 runs = measure_outside(
                     runner, ordered, is_chain=trace.chain.is_chain, state=state, watch=watch,
                     timed=TimedRuns(settings.warmup, settings.repeats, settings.tolerance),
                     trained=trained, site=site,
-                    unit_figures=[measurer.figures[name] for name, _ in ordered])
+                    unit_figures=[measurer.figures[name] for name, _ in ordered],
+                    variants_needed=needed)
     finally:
         bar.close()
 
     # The head as it is when it was measured, else with the fewest chunks that fit.
-    top = runs[-1]
+    measured, result = assemble(runs[-1])
+    if found.refusal is not None:  # why the head is not chunked, for the estimate and plans
+        result = replace(result, meta={**result.meta, "head_not_chunked": found.refusal})
+    if site is not None and settings.variants_needed is not None:
+        # What a budget's question left out (remat.solve reads it: see profile_levels).
+        left_out = ("not measured" if all(run.chunks is None for run in runs)
+                    else "most chunks only")
+        result = replace(result, meta={**result.meta, "head_variants": left_out})
+    if site is not None:
+        variants = {run.chunks: build_profile(
+            replace(measured, base=run.step, outside=run.times, grads=run.grads,
+                    steps=run.steps),
+            device=device, dtype=result.dtype, shapes=result.input_shapes, meta={})
+            for run in runs if run.chunks is not None}
+        result = head_profile(result, site, model.get_submodule(site.name), variants,
+                              as_is=runs[-1].chunks is None)
+    seconds = result.meta["profile_s"]
+    log.info(
+        "profiled %d units of %s (%s, coverage %.0f%%) in %.2f s (%.1f steps): step %.2f ms "
+        "(derived), outside step peak %d B", result.n, type(model).__name__,
+        "chain" if result.is_chain else "not a chain", 100 * choice.coverage.fraction, seconds,
+        seconds * 1e3 / max(result.step_ms, 1e-9), result.step_ms,
+        result.meta["outside_step_peak_bytes"],
+    )
+    log.debug("profile phases (s): %s",
+              {k: round(v, 3) for k, v in bar.durations().items()})
+    return result, choice
+
+
+def _assembled(model: nn.Module, sample_batch: Any, settings: _Settings, choice: UnitChoice,
+               measurer: UnitMeasurer, opts: list[str], trace: Any,
+               ordered: list[tuple[str, nn.Module]], stashed: list[int], fixed: int,
+               top: OutsideRun, started: float) -> tuple[Measurements, Profile]:
+    """The measurements and the profile they make, with the code outside the units as
+    ``top`` measured it (the head as it is, or over ``top.chunks`` chunks)."""
+    device = model_device(model)
     measured = Measurements(
         units=ordered,
         chain=trace.chain,
@@ -341,7 +397,7 @@ def _profile(
         fixed_bytes=fixed,
         param_bytes=storage_bytes(model.parameters()),
         buffer_bytes=storage_bytes(model.buffers()),
-        loop=loop,
+        loop=settings.loop,
         batch_bytes=batch_bytes(sample_batch, device),
         inputs_kept_by_caller=trace.kept_by_caller if trace.chain.is_chain else [],
         recompute_state_bytes=stashed,
@@ -357,27 +413,7 @@ def _profile(
               "repeats": settings.repeats, "tolerance": settings.tolerance,
               "pool_twins": settings.pool_twins, "profile_s": round(seconds, 3)},
     )
-    result = _with_coverage(result, choice, measurer.figures, opts)
-    if found.refusal is not None:  # why the head is not chunked, for the estimate and plans
-        result = replace(result, meta={**result.meta, "head_not_chunked": found.refusal})
-    if site is not None:
-        variants = {run.chunks: build_profile(
-            replace(measured, base=run.step, outside=run.times, grads=run.grads,
-                    steps=run.steps),
-            device=device, dtype=result.dtype, shapes=result.input_shapes, meta={})
-            for run in runs if run.chunks is not None}
-        result = head_profile(result, site, model.get_submodule(site.name), variants,
-                              as_is=top.chunks is None)
-    log.info(
-        "profiled %d units of %s (%s, coverage %.0f%%) in %.2f s (%.1f steps): step %.2f ms "
-        "(derived), outside step peak %d B", result.n, type(model).__name__,
-        "chain" if result.is_chain else "not a chain", 100 * choice.coverage.fraction, seconds,
-        seconds * 1e3 / max(result.step_ms, 1e-9), result.step_ms,
-        result.meta["outside_step_peak_bytes"],
-    )
-    log.debug("profile phases (s): %s",
-              {k: round(v, 3) for k, v in bar.durations().items()})
-    return result, choice
+    return measured, _with_coverage(result, choice, measurer.figures, opts)
 
 
 # Why a pass that ran out of memory means no plan fits, and what to do instead.

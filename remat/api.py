@@ -43,7 +43,13 @@ from remat.core.checks import (
     check_profile_args,
     check_timing,
 )
-from remat.core.errors import ArgumentError, ParameterError, ProfileError, UnknownParameterError
+from remat.core.errors import (
+    ArgumentError,
+    InfeasibleBudgetError,
+    ParameterError,
+    ProfileError,
+    UnknownParameterError,
+)
 from remat.core.loop import Loop
 from remat.core.plan import Plan
 from remat.core.profile import UNIT_TYPE_COUNTS, Profile
@@ -137,9 +143,15 @@ def profile_with(model: nn.Module, sample_batch: Any, settings: ProfilingSetting
 
 
 def _profile(model: nn.Module, sample_batch: Any, settings: ProfilingSettings, *,
-             fresh: bool = False) -> Lookup:
+             fresh: bool = False,
+             variants_needed: Callable[[Profile], bool] | None = None) -> Lookup:
     """:func:`profile`'s work, outside any ambient autocast: the cached profile, or a new one
-    (always a new one when ``fresh``), and which it is."""
+    (always a new one when ``fresh``), and which it is.
+
+    ``variants_needed`` (:func:`_variants_needed`): the head's chunked variants are
+    measured only where it says the budget needs them. A profile made without them
+    serves from the cache only a caller whose budget does not need them either; any
+    other caller gets a new profile with them (which replaces it in the cache)."""
     from remat.profiler import profile_levels
     from remat.tune.profile_cache import cached_profile
 
@@ -148,16 +160,53 @@ def _profile(model: nn.Module, sample_batch: Any, settings: ProfilingSettings, *
     # Before the cache: a cached profile would otherwise hide a malformed setting.
     check_timing(settings.warmup, settings.repeats, settings.tolerance)
 
-    def make() -> Profile:
+    def make(asked: Callable[[Profile], bool] | None = variants_needed) -> Profile:
         # The profiler's signature stays its own: the value becomes its keyword arguments.
-        blocks, children = profile_levels(model, sample_batch, **settings.as_kwargs())
+        blocks, children = profile_levels(model, sample_batch, variants_needed=asked,
+                                          **settings.as_kwargs())
         if children is None:
             return _with_unit_type_counts(blocks, model)
         from remat.tune.granularity import pick_level
 
         return _with_unit_type_counts(pick_level(blocks, children), model)
 
-    return cached_profile(model, sample_batch, make, settings=settings, fresh=fresh)
+    found = cached_profile(model, sample_batch, make, settings=settings, fresh=fresh)
+    partial = found.profile.meta.get("head_variants")
+    if partial is not None and (variants_needed is None or (
+            partial == "not measured" and variants_needed(found.profile))):
+        found = cached_profile(model, sample_batch, lambda: make(None), settings=settings,
+                               fresh=True)
+    return found
+
+
+def _variants_skipped(prof: Profile) -> bool:
+    """Whether ``prof`` was measured without its head's chunked variants (a budget above
+    the head as written did not need them)."""
+    return prof.meta.get("head_variants") == "not measured"
+
+
+# How close above the head-as-written floor a budget still has the variants measured:
+# verification lowers a budget by what a plan measured above it (about 1%), which must
+# not land it below a floor with nothing measured to plan there.
+_FLOOR_MARGIN = 1.02
+
+
+def _variants_needed(budget: Any, head: str) -> Callable[[Profile], bool] | None:
+    """The profiler's question for ``budget`` (see :func:`remat.profiler.profile_levels`):
+    with ``head="auto"`` a plan chunks the head only below the smallest peak of the head as
+    written, so its chunked variants are needed only for a budget under that (with
+    :data:`_FLOOR_MARGIN`); ``None`` (measure them all) for ``head="chunked"``, which
+    chunks wherever faster, and ``head="none"``, which measures no head."""
+    if head != "auto":
+        return None
+
+    def needed(prof: Profile) -> bool:
+        from remat.solver import min_peak_bytes
+
+        budget_bytes = _within_device(prof, budget)
+        return budget_bytes is not None and budget_bytes < _FLOOR_MARGIN * min_peak_bytes(prof)
+
+    return needed
 
 
 def _with_unit_type_counts(prof: Profile, model: nn.Module) -> Profile:
@@ -339,16 +388,30 @@ def solve_with(
                 solver_params=solver_params)
         with planning(model, settings.loop, owner) as loop:
             settings = settings.replace(loop=loop)
-            found = _profile(model, sample_batch, settings)
+            needed = _variants_needed(budget, settings.head)
+            found = _profile(model, sample_batch, settings, variants_needed=needed)
 
             def reprofile() -> tuple[Profile, int | None]:
                 # A percentage budget is of the profile: resolved again for the fresh one.
-                fresh = _profile(model, sample_batch, settings, fresh=True).profile
+                fresh = _profile(model, sample_batch, settings, fresh=True,
+                                 variants_needed=needed).profile
                 return fresh, _within_device(fresh, budget)
 
-            plan = _solve(found.profile, sample_batch, _within_device(found.profile, budget),
-                          settings, method=method, verify=verify, solver_params=solver_params,
-                          model=model, reprofile=reprofile if found.cached else None)
+            try:
+                plan = _solve(found.profile, sample_batch,
+                              _within_device(found.profile, budget), settings, method=method,
+                              verify=verify, solver_params=solver_params, model=model,
+                              reprofile=reprofile if found.cached else None)
+            except InfeasibleBudgetError:
+                if not _variants_skipped(found.profile):
+                    raise
+                # Verification lowered the budget below the head as written: measure the
+                # chunked head after all (kept in the cache for the next budget).
+                log.info("remat: the budget needs the head chunked: measuring its variants")
+                full = _profile(model, sample_batch, settings, fresh=True).profile
+                plan = _solve(full, sample_batch, _within_device(full, budget), settings,
+                              method=method, verify=verify, solver_params=solver_params,
+                              model=model)
     log.info(
         "remat: %s plan (%s), predicted peak %d B, step %.1f ms",
         plan.record.algorithm,

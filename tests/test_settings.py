@@ -24,9 +24,14 @@ from remat.tune.profile_cache import forget_profiles, settings_key
 FIELDS = [f.name for f in dataclasses.fields(ProfilingSettings)]
 
 
+# profile_levels' keywords that are not settings: ``variants_needed`` is a budget's
+# question asked by solve() (the profile records what it skipped: meta["head_variants"]).
+_NOT_SETTINGS = frozenset({"variants_needed"})
+
+
 def _keyword_defaults(fn: Any) -> dict[str, Any]:
     return {name: p.default for name, p in inspect.signature(fn).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _NOT_SETTINGS}
 
 
 # --------------------------------------------------------------------- one value, one key
