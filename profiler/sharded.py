@@ -22,7 +22,11 @@ the model (:mod:`remat.execute.sharding`):
   reduce-scatter buffer not yet reclaimed;
 * :data:`IN_FLIGHT` units' gathered parameters are counted alive through the forward
   and the backward: FSDP2's asynchronous collectives let buffers of other units
-  outlive the hooks that made them, by a varying amount from step to step.
+  outlive the hooks that made them, by a varying amount from step to step. One unit
+  covered every run on a quiet machine; on a loaded one (the test suite beside other
+  work, 2026-11-25) steps measured one unit more than that, 200 KB over the prediction
+  and 0.5% over a budget at the smallest feasible peak, so two are counted: a promise
+  must hold when the machine is busy too.
 
 The outside figures (the root's code: embeddings, the head) are measured as they ran,
 under the root's FSDP2 state. FSDP2 frees a unit's gathered parameters by resizing their
@@ -48,7 +52,7 @@ from remat.execute.sharding import ShardedUnit, sharded_unit, world_size
 
 __all__ = ["IN_FLIGHT", "sharded_profile"]
 
-IN_FLIGHT = 1  # units' gathered parameters counted in flight throughout (module docstring)
+IN_FLIGHT = 2  # units' gathered parameters counted in flight throughout (module docstring)
 
 
 def sharded_profile(profile: Profile, model: nn.Module) -> Profile:

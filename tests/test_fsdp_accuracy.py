@@ -8,7 +8,8 @@ and once by live tensor bytes (:class:`~remat.measurement.simulated_device.Simul
 
 The prediction must cover every run on every rank (never below the worst), and stay
 within 2% of the worst run or, where that is tighter than FSDP2 itself is repeatable,
-within 2 units' gathered parameters of it. FSDP2's collectives make one step's allocator
+within 3 units' gathered parameters of it (the profile counts two units' in flight:
+:data:`remat.profiler.sharded.IN_FLIGHT`). FSDP2's collectives make one step's allocator
 peak vary from run to run by one unit's gathered parameters (a buffer of an all-gather or
 reduce-scatter alive at the peak in some runs, not in others), and the per-rank profile
 counts FSDP2's buffers around each unit (the prefetched unit, the unreclaimed
@@ -30,7 +31,7 @@ from tests.test_fsdp_collective import WORLD, _sharded_gpt, _spawn
 
 RUNS = 10
 OVER = 1.02  # above the worst run, or OVER_UNITS units' gathered parameters (docstring)
-OVER_UNITS = 2
+OVER_UNITS = 3
 
 
 def _check_accuracy(rank: int, reshard_after_forward: bool) -> None:

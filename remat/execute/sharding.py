@@ -30,7 +30,9 @@ def _fsdp_module_class() -> type | None:
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` (or a module inside it) is wrapped by FSDP2's ``fully_shard``."""
     cls = _fsdp_module_class()
-    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+    # Not a module: not sharded (the caller's own checks name what it is).
+    return (cls is not None and isinstance(model, nn.Module)
+            and any(isinstance(m, cls) for m in model.modules()))
 
 
 def _local_bytes(p: nn.Parameter) -> int:
