@@ -128,11 +128,6 @@ class _RematState:
     def call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run unit ``index`` under its option (or as part of its segment)."""
         runner = self.runner
-        if (runner is not None and runner.expects_quiet(index, args, kwargs)
-                and not torch.compiler.is_compiling()):
-            # The hot path of a segment a stock nn.Sequential drives: nothing ran
-            # since the previous unit, so nothing needs checking (.sequential_links).
-            return _eager_segment_quiet(self, index, args[0])
         option = self.runs_as[index] or self.plan.options[index]
         if option == _KEEP and (runner is None or not runner.is_open):
             return self.original_forward(index)(*args, **kwargs)  # nothing to do, at no cost
@@ -300,7 +295,15 @@ class _PlannedForward:
         return self._remat_state.original_forward(self._index)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._remat_state.call(self._index, args, kwargs)
+        state = self._remat_state
+        runner = state.runner
+        if (runner is not None and runner.expects_quiet(self._index, args, kwargs)
+                and not torch.compiler.is_compiling()):
+            # The hot path of a segment a stock nn.Sequential drives, a few calls deep:
+            # nothing ran since the previous unit, so nothing needs checking
+            # (runtime/sequential_links.py).
+            return _eager_segment_quiet(state, self._index, args[0])
+        return state.call(self._index, args, kwargs)
 
     def __repr__(self) -> str:
         state = self._remat_state

@@ -80,7 +80,7 @@ def _same_rng(a: RngStates, b: RngStates) -> bool:
             and all(torch.equal(x, y) for x, y in zip(a[2], b[2])))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _UnitCall:
     """One recorded unit call of a segment, minus its chained tensor.
 
@@ -115,10 +115,6 @@ class _UnitCall:
         return self.forward(*args, **{**kwargs, self.slot: x})
 
 
-# The arguments of a call that passes the chained tensor alone (replaced at replay).
-_ONE_CHAINED = CallArguments((None,), {})
-
-
 class _Replay:
     """The segment's recompute function: ``fn`` of the checkpoint generator.
 
@@ -127,10 +123,19 @@ class _Replay:
     """
 
     def __init__(self) -> None:
-        self.calls: list[_UnitCall] = []
+        # A quiet call (.sequential_links) is recorded as its forward alone: it takes the
+        # chained tensor and nothing else, and nothing ran before it since the last one.
+        self.calls: list[_UnitCall | Callable[[torch.Tensor], Any]] = []
 
     def __call__(self, x: torch.Tensor) -> None:
         for call in self.calls:
+            if not isinstance(call, _UnitCall):
+                out = call(x)
+                nxt = out if type(out) is torch.Tensor else boundary_output(out)
+                if nxt is None:
+                    return
+                x = nxt
+                continue
             if call.rng is not None:
                 cpu_state, devices, device_states = call.rng
                 torch.set_rng_state(cpu_state)
@@ -234,11 +239,11 @@ class _OpenSegment:
 
         What :meth:`run` does, less what the link makes needless: no chain search (the
         argument is the previous output), no RNG state (nothing drew between the
-        units), no container snapshot (the call has none): the record is a constant.
+        units), no container snapshot (the call has none): the record is the forward.
         """
         self.quiet_next = None
         self._last_output = None
-        self.replay.calls.append(_UnitCall(forward, (None,), {}, 0, None, _ONE_CHAINED))
+        self.replay.calls.append(forward)
         self.last_index = index
         try:
             with autocast_without_cache():
@@ -257,7 +262,7 @@ class _OpenSegment:
         if index == b:
             self.close()
             return True
-        out = boundary_output(output)
+        out = output if type(output) is torch.Tensor else boundary_output(output)
         if out is None:
             error = RematError(
                 f"unit '{self.names[index]}' of segment {a}-{b} returned no tensor, so it "
