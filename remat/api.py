@@ -577,7 +577,7 @@ def _solve(prof: Profile, sample_batch: Any, budget_bytes: int | None,
     def measure(candidate: Plan) -> StepMeasurement:
         measured = measure_plan(model, sample_batch, candidate, loss_fn=settings.loss_fn,
                                 optimizer=settings.optimizer, loop=prof.loop,
-                                steps=verify.steps)
+                                steps=verify.steps, timed=verify.timed)
         if off_prediction(candidate, measured):
             if reprofile is not None:
                 raise _StaleProfile(candidate, measured.worst_peak_bytes)

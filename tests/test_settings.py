@@ -149,6 +149,17 @@ def test_solve_verifies_as_the_value_says(monkeypatch: pytest.MonkeyPatch) -> No
     assert plan.verification is not None
 
 
+@pytest.mark.parametrize("timed", [False, True])
+def test_verification_times_a_step_only_when_asked(timed: bool) -> None:
+    # Untimed by default: verification is most of a second budget's cost (two metered
+    # steps); a third, timed, step is asked for with Verify(timed=True).
+    ref = models.build("mlp", size="tiny", seed=0)
+    plan = remat.solve(ref.model, ref.batch, "100%", loss_fn=ref.loss_fn,
+                       verify=remat.Verify(timed=timed))
+    assert plan.verification is not None and plan.verification.measured_peak_bytes > 0
+    assert (plan.verification.measured_time_ms is not None) is timed
+
+
 # --------------------------------------------------------------------- the budget, once
 def test_the_budget_is_resolved_to_bytes_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from remat.solver import solve as solver

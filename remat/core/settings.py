@@ -92,6 +92,10 @@ class Verify:
 
     ``verify=True`` is ``Verify()``; more ``steps`` catch memory that grows after the first
     steps (a branch that turns on at step k), at one measured step's time each.
+    ``timed=True`` times one more step, un-metered, for the plan's
+    ``verification.measured_time_ms``; off by default: verification is most of what a
+    second budget on a profiled model costs (two metered steps), and one untimed-before
+    step's time says little beside the profile's prediction.
 
     Raises:
         ParameterError: ``rounds`` or ``steps`` is not an int >= 1.
@@ -99,6 +103,7 @@ class Verify:
 
     rounds: int = DEFAULT_ROUNDS
     steps: int = DEFAULT_STEPS
+    timed: bool = False
 
     def __post_init__(self) -> None:
         # Checked when made: a malformed count is a mistake whether or not it is used.

@@ -60,6 +60,7 @@ def measure_plan(
     optimizer: torch.optim.Optimizer | None,
     loop: Loop | None,
     steps: int = 1,
+    timed: bool = False,
 ) -> StepMeasurement:
     """``steps`` consecutive optimizer steps of ``loop`` with ``plan`` applied, measured
     with both instruments (the peak over all of them); the model is left as it was (plan
@@ -67,9 +68,9 @@ def measure_plan(
     apply_plan(model, plan)
     try:
         # No warm-up: the first measured step creates the optimizer's state, as training's
-        # first step does (its peak counts); one timed step for the time.
+        # first step does (its peak counts); with ``timed``, one more step for the time.
         return measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
-                            warmup=0, repeats=1, allocator=True, steps=steps)
+                            warmup=0, repeats=1 if timed else 0, allocator=True, steps=steps)
     finally:
         remove_plan(model)
 
