@@ -184,11 +184,11 @@ class Pair:
 
 def compare(name: str, setting: str, base: nn.Module, peer: nn.Module, batch: Any,
             loss_fn: LossFn | None, profile: remat.Profile, rounds: int,
-            plan: remat.Plan | None = None) -> Pair:
+            plan: remat.Plan | None = None, loop: remat.Loop | None = None) -> Pair:
     """The peer against remat's optimal plan at the peer's peak, or against ``plan`` (the
     peer's own recomputation, as a manual plan: what remat adds around it)."""
     pair = Pair(name, setting)
-    measure_kw: dict[str, Any] = {"warmup": 1, "repeats": 1}
+    measure_kw: dict[str, Any] = {"warmup": 1, "repeats": 1, "loop": loop}
     if loss_fn is not None:
         measure_kw["loss_fn"] = loss_fn
     pair.peer_peak = remat.measure(peer, batch, **measure_kw).peak_bytes
@@ -248,12 +248,14 @@ def gpt2_pairs(rounds: int) -> list[Pair]:
         ours, theirs = base.eval()(**batch).loss, sequential.eval()(**batch).loss
     base.train(), sequential.train()
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)  # the same computation
-    profile = remat.profile(base, batch)
-    name = "GPT-2 124M (1 x 512)"
+    # A Trainer-style loop: the output dropped after the loss (so the head may be chunked).
+    loop = remat.Loop(keep_output=False)
+    profile = remat.profile(base, batch, loop=loop)
+    name = "GPT-2 124M (1 x 512, output dropped)"
     return [compare(name, "HF checkpointing, every block", base, hf_checkpointing(base),
-                    batch, None, profile, rounds),
+                    batch, None, profile, rounds, loop=loop),
             compare(name, "checkpoint_sequential(4) over the blocks", base, sequential, batch,
-                    None, profile, rounds)]
+                    None, profile, rounds, loop=loop)]
 
 
 def report(pairs: Sequence[Pair], command: str, started: dt.datetime, seconds: float) -> str:
