@@ -85,3 +85,23 @@ def test_a_chunked_head_asked_for_measures_every_variant(case_and_floors, runs) 
     case, floor, _ = case_and_floors
     _solve(case, int(floor * 1.2), head="chunked")
     assert runs == [16, 4, None]
+
+
+def test_a_head_check_that_does_not_fit_the_device_leaves_the_head_as_written(
+        case_and_floors, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check runs one example's step unplanned; on a device sized for the most frugal
+    # plan that can run out of memory: the profile goes on, with the head as written.
+    import torch
+
+    import remat.profiler.heads as heads
+
+    def too_big(*_: object) -> None:
+        raise torch.OutOfMemoryError("simulated device out of memory: test")
+
+    monkeypatch.setattr(heads, "check_head_rewrite", too_big)
+    case, _, _ = case_and_floors
+    forget_profiles()
+    prof = remat.profile(case.model, case.batch, loss_fn=case.loss_fn, loop=DROP, repeats=1)
+    forget_profiles()
+    assert prof.head is None
+    assert "does not fit the device" in prof.meta["head_not_chunked"]
