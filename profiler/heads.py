@@ -28,6 +28,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from remat.core.errors import ProfileError
@@ -44,7 +45,7 @@ from remat.execute.head import (
 from remat.execute.structure import unit_signature
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import ModelState
-from remat.profiler.head_check import check_head_rewrite
+from remat.profiler.head_check import HeadCheck, check_head_rewrite
 from remat.profiler.records import HeadFinding
 
 __all__ = ["frugal_forwards", "head_profile", "head_to_measure", "may_measure_head", "model_head"]
@@ -60,7 +61,15 @@ def _checked(setting: str, runner: StepRunner, site: HeadSite,
              state: ModelState) -> HeadFinding:
     """``site`` where the rewrite passes :func:`check_head_rewrite`, else why not (an
     error where the user asked for the chunked head)."""
-    check = check_head_rewrite(runner, site, state)
+    try:
+        check = check_head_rewrite(runner, site, state)
+    except torch.OutOfMemoryError as err:
+        # The check runs one example's step as written, unplanned: on a device sized for
+        # the most frugal plan that can be too much. Not a reason to stop profiling (a
+        # plan with the head as written may fit): the head is not offered chunked.
+        # Known limit: a budget only a chunked head reaches is then infeasible here.
+        check = HeadCheck("its check on one example (the step as written, unplanned) does "
+                          f"not fit the device ({' '.join(str(err).split())[:160]})")
     if check.refusal is None:
         log.info("remat: the head %r chunked gives the same loss and gradients on one example "
                  "(loss %.6g as written, %.6g chunked; gradients within %.2g)", site.name,

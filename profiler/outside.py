@@ -14,12 +14,14 @@ a user plans), a run that runs out of memory after a smaller one was measured en
 measurements: what it and the ones after would hold does not fit, so no plan may use
 them (the profile says the head as it is was not measured:
 :attr:`remat.core.profile.HeadProfile.as_is`). Only when the most frugal run does not
-fit is it an error.
+fit is it an error. For a budget (``remat.solve``) the order is the head as it is first,
+then the variants only where the budget needs them (:func:`_as_is_first`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -55,20 +57,41 @@ def measure_outside(
     trained: dict[int, frozenset[int]],
     site: HeadSite | None,
     unit_figures: list[dict[str, OptionFigures]],
+    variants_needed: Callable[[OutsideRun], bool] | None = None,
 ) -> list[OutsideRun]:
     """The runs that fit, most frugal first (see the module docstring). The optimizer's
     figures are the first run's (a head changes the micro-batch, not the optimizer).
 
+    ``variants_needed`` (a budget's question, see :func:`_as_is_first`): the head as it
+    is runs first, and the chunked runs only where it says they are needed.
+
     Raises:
         torch.OutOfMemoryError: the most frugal run does not fit.
     """
+    def measure(chunks: int | None, first: OutsideTimes | None) -> OutsideRun:
+        return _measure(runner, ordered, is_chain, state, watch, timed, trained, site,
+                        chunks, unit_figures, first=first)
+
+    if site is not None and variants_needed is not None:
+        return _as_is_first(site, measure, state, variants_needed)
+    return _frugal_first(site, measure, state, first=None)
+
+
+def _frugal_first(site: HeadSite | None,
+                  measure: Callable[[int | None, OutsideTimes | None], OutsideRun],
+                  state: ModelState, *, first: OutsideTimes | None,
+                  as_is: bool = True, most_only: bool = False) -> list[OutsideRun]:
+    """The head over each chunk count (``most_only``: the most), the most first, then
+    (``as_is``) as it is, until one runs out of memory."""
     choices: list[int | None] = sorted(chunk_counts(site.tokens), reverse=True) if site else []
-    choices.append(None)
+    if most_only:
+        choices = choices[:1]
+    if as_is:
+        choices.append(None)
     runs: list[OutsideRun] = []
     for chunks in choices:
         try:
-            run = _measure(runner, ordered, is_chain, state, watch, timed, trained, site,
-                           chunks, unit_figures, first=runs[0].times if runs else None)
+            run = measure(chunks, runs[0].times if runs else first)
         except torch.OutOfMemoryError:
             if not runs:
                 raise
@@ -79,6 +102,38 @@ def measure_outside(
             break
         runs.append(run)
     return runs
+
+
+def _as_is_first(site: HeadSite,
+                 measure: Callable[[int | None, OutsideTimes | None], OutsideRun],
+                 state: ModelState,
+                 variants_needed: Callable[[OutsideRun], bool]) -> list[OutsideRun]:
+    """The head as it is first; its most frugal chunked variant only where
+    ``variants_needed`` says the budget needs it (or the head as it is does not fit the
+    device).
+
+    With the head exact first (``head="auto"``: a plan chunks it only below the smallest
+    peak of the head as written), the variants serve no budget above that peak, and they
+    were most of a profile's outside steps (three chunk counts, each a run of stub steps
+    and an instrumented step). Below it, the most chunks reach the lowest floor; fewer
+    chunks are a little faster, which is the speed ``head="chunked"`` measures every
+    chunk count for. The head as it is holds its whole logits, more than the
+    most frugal run: where that is more than the device has it runs out of memory, which
+    is caught, and the chunked runs follow, most frugal first (a run that does not fit
+    then is an error as before). So the device is asked for no more than it has, and
+    a profile without the variants says so (``meta["head_variants"]``).
+    """
+    try:
+        as_is: OutsideRun | None = measure(None, None)
+    except torch.OutOfMemoryError:
+        _reset(state)
+        log.info("remat: the head as it is does not fit the device: measuring it chunked")
+        as_is = None
+    if as_is is not None and not variants_needed(as_is):
+        return [as_is]
+    first = as_is.times if as_is is not None else None
+    chunked = _frugal_first(site, measure, state, first=first, as_is=False, most_only=True)
+    return chunked + ([as_is] if as_is is not None else [])
 
 
 def _measure(

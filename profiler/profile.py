@@ -26,7 +26,9 @@ and every pass holds at most what the most frugal plan holds. The passes, in ord
    3 run for the head as it is and, where a head is measured, again with the head and
    its loss over each chunk count, most frugal first (before the head as it is, which
    may not fit the device the user plans for). The head's rewrite is checked on one
-   example before pass 0, so that passes 0 and 1 compute it over the most chunks;
+   example before pass 0, so that passes 0 and 1 compute it over the most chunks.
+   Asked by a budget (``variants_needed``, from ``remat.solve``), the head as it is runs
+   first and the most frugal variant only where the budget is below its floor;
 5. **assembly** (:mod:`.assemble`): the figures become a :class:`Profile` (nothing runs).
 
 The passes hand each other the records of :mod:`.records`, never their own; the tools
@@ -55,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -228,11 +230,19 @@ def profile_levels(
     loop: Loop | None = None,
     granularity: str = "blocks",
     head: str = "auto",
+    variants_needed: Callable[[Profile], bool] | None = None,
 ) -> tuple[Profile, Profile | None]:
     """The profile at ``granularity`` and, for ``"auto"`` where the blocks are few (under
     8) or one holds half of their memory, the profile of the blocks' children too
     (``None`` otherwise): :func:`profile`'s arguments, for the caller to compare
-    (:mod:`remat.granularity` does, with the solver)."""
+    (:mod:`remat.granularity` does, with the solver).
+
+    ``variants_needed`` is not a setting but a budget's question, asked by
+    ``remat.solve`` (the profiler knows no solver): given the profile with the head as it
+    is, whether the budget needs the head's chunked variants. Where it answers no, they
+    are not measured (:func:`remat.profiler.outside.measure_outside`), where it answers
+    yes only the most frugal is, and the profile's ``meta["head_variants"]`` says which
+    (``"not measured"``, ``"most chunks only"``)."""
     check_profile_args(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop)
     check_timing(warmup, repeats, tolerance)
     if has_plan(model):
@@ -248,7 +258,8 @@ def profile_levels(
         )
     level = check_granularity(granularity)
     settings = _Settings(loss_fn, optimizer, options, warmup, repeats, tolerance, pool_twins,
-                         progress, loop_or_default(loop), check_head_setting(head))
+                         progress, loop_or_default(loop), check_head_setting(head),
+                         variants_needed)
     result, choice = _profile(model, sample_batch, units, level, settings)
     finer = None
     if level == "auto" and choice.children is not None:
@@ -273,6 +284,8 @@ class _Settings:
     progress: bool | None
     loop: Loop
     head: str = "auto"
+    # A budget's question (see profile_levels): None measures every head variant.
+    variants_needed: Callable[[Profile], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -346,13 +359,26 @@ def _profile(
             found = head_to_measure(head, loop, runner, state, through_head_loss, found)
             # Before the outside steps, which give the optimizer its state.
             fixed = fixed_bytes(model, settings.optimizer) + batch_bytes(sample_batch, device)
-            runs = _outside_passes(run, ordered, trace.chain.is_chain, measurer, found.site)
+
+            def assemble(top_runs: list[OutsideRun], seconds: float) -> Profile:
+                measured = _measurements(run, ordered, trace, measurer, top_runs[-1],
+                                         fixed=fixed, stashed=stashed)
+                return _assembled(run, measured, top_runs, chosen.choice, measurer, found,
+                                  seconds)
+
+            asked = settings.variants_needed
+            needed = None if asked is None else (lambda top: asked(assemble([top], 0.0)))
+            runs = _outside_passes(run, ordered, trace.chain.is_chain, measurer, found.site,
+                                   needed)
     finally:
         bar.close()
-    measured = _measurements(run, ordered, trace, measurer, runs[-1], fixed=fixed,
-                             stashed=stashed)
     seconds = time.perf_counter() - started
-    result = _assembled(run, measured, runs, chosen.choice, measurer, found, seconds)
+    result = assemble(runs, seconds)
+    if found.site is not None and asked is not None:
+        # What a budget's question left out (remat.solve reads it: see profile_levels).
+        left_out = ("not measured" if all(r.chunks is None for r in runs)
+                    else "most chunks only")
+        result = replace(result, meta={**result.meta, "head_variants": left_out})
     _log_profiled(result, run, chosen.choice, seconds)
     return result, chosen.choice
 
@@ -391,9 +417,11 @@ def _capture_pass(run: _Profiling, found: _UnitsFound) -> tuple[UnitTrace, UnitM
 
 
 def _outside_passes(run: _Profiling, ordered: list[tuple[str, nn.Module]], is_chain: bool,
-                    measurer: UnitMeasurer, site: HeadSite | None) -> list[OutsideRun]:
+                    measurer: UnitMeasurer, site: HeadSite | None,
+                    needed: Callable[[OutsideRun], bool] | None) -> list[OutsideRun]:
     """Passes 2 to 4: the code outside the units, timed and instrumented, for the head as
-    it is and over each chunk count where one is measured (the runs that fit)."""
+    it is and over each chunk count where one is measured (the runs that fit; ``needed``:
+    the variants only where a budget needs them)."""
     settings = run.settings
     trained = {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
                if name in measurer.trained}
@@ -403,7 +431,8 @@ def _outside_passes(run: _Profiling, ordered: list[tuple[str, nn.Module]], is_ch
             run.runner, ordered, is_chain=is_chain, state=run.state, watch=run.watch,
             timed=TimedRuns(settings.warmup, settings.repeats, settings.tolerance),
             trained=trained, site=site,
-            unit_figures=[measurer.figures[name] for name, _ in ordered])
+            unit_figures=[measurer.figures[name] for name, _ in ordered],
+            variants_needed=needed)
 
 
 def _measurements(run: _Profiling, ordered: list[tuple[str, nn.Module]], trace: UnitTrace,

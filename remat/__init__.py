@@ -17,6 +17,7 @@ from remat.core.loop import Loop
 from remat.core.option import Option
 from remat.core.plan import Plan
 from remat.core.profile import Profile
+from remat.core.settings import Verify
 from remat.solver import RENAMED as _SOLVER_RENAMED
 from remat.solver.simulate import simulate
 
@@ -28,6 +29,7 @@ _LAZY = {
     "apply_plan": ("remat.api", "apply_plan"),
     "remove_plan": ("remat.api", "remove_plan"),
     "solve": ("remat.api", "solve"),
+    "solve_compiled": ("remat.api", "solve_compiled"),
     "pareto": ("remat.api", "pareto"),
     "plot_pareto": ("remat.plot", "plot_pareto"),
     "compile_planned": ("remat.tune.compiled", "compile_planned"),
@@ -37,7 +39,7 @@ _LAZY = {
 }
 __all__ = ["ArgumentError", "BudgetError", "DeviceMemoryError", "InfeasibleBudgetError",
            "Loop", "Option", "Plan", "PlanMismatchError", "Profile", "RematError",
-           "RematWarning", "of_activations", "of_peak", "simulate",
+           "RematWarning", "Verify", "of_activations", "of_peak", "simulate",
            *_LAZY]
 
 

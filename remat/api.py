@@ -14,6 +14,11 @@ what the no-checkpoint peak holds above them; ``"60% of peak"``
 Every entry point checks its arguments before it profiles (:mod:`remat.core.checks`):
 a wrong argument is a :class:`~remat.core.errors.RematError` that names it and the fix,
 and costs no profiling time.
+
+Settings are values (:mod:`remat.core.settings`): each entry point builds one
+:class:`~remat.core.settings.ProfilingSettings` from its keywords and passes it down
+(the profile cache keys by it), verification is one :class:`~remat.core.settings.Verify`,
+and the budget is resolved to bytes once, when the profile is known.
 """
 
 from __future__ import annotations
@@ -38,10 +43,17 @@ from remat.core.checks import (
     check_profile_args,
     check_timing,
 )
-from remat.core.errors import ArgumentError, ParameterError, ProfileError, RematError
+from remat.core.errors import (
+    ArgumentError,
+    InfeasibleBudgetError,
+    ParameterError,
+    ProfileError,
+    UnknownParameterError,
+)
 from remat.core.loop import Loop
 from remat.core.plan import Plan
 from remat.core.profile import UNIT_TYPE_COUNTS, Profile
+from remat.core.settings import ProfilingSettings, Verify, verify_setting
 from remat.solver.resolve import resolve_budget
 from remat.solver.solve import check_method
 
@@ -52,69 +64,149 @@ if TYPE_CHECKING:
     from remat.measurement.step import StepMeasurement
     from remat.tune.profile_cache import Lookup
 
-__all__ = ["activation_budget", "apply_plan", "pareto", "profile", "remove_plan", "solve"]
+__all__ = ["activation_budget", "apply_plan", "pareto", "profile", "profile_with",
+           "remove_plan", "solve", "solve_compiled", "solve_with"]
 
 log = logging.getLogger("remat")
+
+_VERIFY = Verify()  # verify=True
 
 
 def profile(
     model: nn.Module,
     sample_batch: Any,
     *,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    optimizer: Any = None,
+    units: Any = None,
+    options: Sequence[str] | None = None,
+    loop: Loop | None = None,
     granularity: str = "blocks",
-    **settings: Any,
+    head: str = "auto",
+    warmup: int = 1,
+    repeats: int = 3,
+    tolerance: float = 0.05,
+    pool_twins: bool = True,
+    progress: bool | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``sample_batch``, unit by unit
-    (:func:`remat.profiler.profile`, whose keyword arguments it takes: ``loss_fn``,
-    ``units``, ``optimizer``, ``options``, ``loop``, ``warmup``, ``repeats``...).
+    (:func:`remat.profiler.profile`).
 
-    ``granularity``: ``"blocks"`` (default) plans the units as found, ``"children"``
-    each unit's children instead, and ``"auto"``, where the units are few (under 8) or
-    one holds half of their memory, profiles both levels and returns the one whose
-    optimal plans are faster over a range of budgets (:mod:`remat.granularity`; it
-    costs a second profile).
+    Args:
+        model, sample_batch: the model and one micro-batch, as for :func:`solve`.
+        loss_fn, optimizer, units, options, loop, head: as for :func:`solve`.
+        granularity: ``"blocks"`` (default) plans the units as found, ``"children"``
+            each unit's children instead, and ``"auto"``, where the units are few (under
+            8) or one holds half of their memory, profiles both levels and returns the
+            one whose optimal plans are faster over a range of budgets
+            (:mod:`remat.tune.granularity`; it costs a second profile).
+        warmup, repeats: un-timed and timed runs for every time figure (medians).
+        tolerance: stop a time figure's timed runs once those taken pin the median of
+            ``repeats`` to within this fraction (``0``: always ``repeats`` runs).
+        pool_twins: time twin units (copies of one module on inputs of one shape) as one.
+        progress: a progress line on stderr (``None``: on a terminal only).
 
-    A second call on the same model with the same batch shapes, loop and settings takes
-    the profile the first made (:mod:`remat.profile_cache`: any change to the model's
-    structure, attributes, config, classes' forwards, shapes, dtypes, modes or buffers, to
-    torch's kernel flags, or to the settings, measures anew; what it cannot see, and the
-    remedy, are in its docstring).
+    The settings are one :class:`~remat.core.settings.ProfilingSettings` value, which is
+    also the profile cache's key: a second call on the same model with the same batch
+    shapes and settings takes the profile the first made (:mod:`remat.tune.profile_cache`:
+    any change to the model's structure, attributes, config, classes' forwards, shapes,
+    dtypes, modes or buffers, to torch's kernel flags, or to the settings, measures anew;
+    what it cannot see, and the remedy, are in its docstring).
 
     Inside a ``torch.autocast`` and without ``loop=``, the profile is for
     ``Loop(autocast=<its dtype>)`` (a ``loop=`` that says otherwise is refused):
-    :mod:`remat.ambient`.
+    :mod:`remat.tune.ambient`.
     """
+    settings = ProfilingSettings(
+        loss_fn=loss_fn, optimizer=optimizer, units=units, options=options, loop=loop,
+        granularity=granularity, head=head, warmup=warmup, repeats=repeats,
+        tolerance=tolerance, pool_twins=pool_twins, progress=progress)
+    return profile_with(model, sample_batch, settings, "profile()")
+
+
+def profile_with(model: nn.Module, sample_batch: Any, settings: ProfilingSettings,
+                 owner: str = "profile()") -> Profile:
+    """:func:`profile` for settings held as one value (``estimate``, ``pareto`` and the
+    trainer callbacks hold them so): the loop is the ambient autocast's where
+    ``settings.loop`` is ``None`` (``owner`` names the caller in what it logs or refuses)."""
     from remat.tune.ambient import planning
+    from remat.tune.sharded import is_sharded, profile_sharded
 
-    with planning(model, settings.pop("loop", None), "profile()") as loop:
-        return _profile(model, sample_batch, granularity=granularity, loop=loop,
-                        **settings).profile
+    with planning(model, settings.loop, owner) as loop:
+        if is_sharded(model):  # FSDP2: every rank calls; the worst rank's step, on each
+            return profile_sharded(model, sample_batch, loss_fn=settings.loss_fn,
+                                   optimizer=settings.optimizer, units=settings.units,
+                                   options=settings.options, loop=loop,
+                                   granularity=settings.granularity, head=settings.head,
+                                   settings={"owner": owner})
+        return _profile(model, sample_batch, settings.replace(loop=loop)).profile
 
 
-def _profile(model: nn.Module, sample_batch: Any, *, granularity: str, fresh: bool = False,
-             **settings: Any) -> Lookup:
+def _profile(model: nn.Module, sample_batch: Any, settings: ProfilingSettings, *,
+             fresh: bool = False,
+             variants_needed: Callable[[Profile], bool] | None = None) -> Lookup:
     """:func:`profile`'s work, outside any ambient autocast: the cached profile, or a new one
-    (always a new one when ``fresh``), and which it is."""
+    (always a new one when ``fresh``), and which it is.
+
+    ``variants_needed`` (:func:`_variants_needed`): the head's chunked variants are
+    measured only where it says the budget needs them. A profile made without them
+    serves from the cache only a caller whose budget does not need them either; any
+    other caller gets a new profile with them (which replaces it in the cache)."""
     from remat.profiler import profile_levels
     from remat.tune.profile_cache import cached_profile
 
-    check_profile_args(model, sample_batch, loss_fn=settings.get("loss_fn"),
-                       optimizer=settings.get("optimizer"), loop=settings.get("loop"))
+    check_profile_args(model, sample_batch, loss_fn=settings.loss_fn,
+                       optimizer=settings.optimizer, loop=settings.loop)
     # Before the cache: a cached profile would otherwise hide a malformed setting.
-    check_timing(settings.get("warmup", 1), settings.get("repeats", 3),
-                 settings.get("tolerance", 0.05))
+    check_timing(settings.warmup, settings.repeats, settings.tolerance)
 
-    def make() -> Profile:
-        blocks, children = profile_levels(model, sample_batch, granularity=granularity,
-                                          **settings)
+    def make(asked: Callable[[Profile], bool] | None = variants_needed) -> Profile:
+        # The profiler's signature stays its own: the value becomes its keyword arguments.
+        blocks, children = profile_levels(model, sample_batch, variants_needed=asked,
+                                          **settings.as_kwargs())
         if children is None:
             return _with_unit_type_counts(blocks, model)
         from remat.tune.granularity import pick_level
 
         return _with_unit_type_counts(pick_level(blocks, children), model)
 
-    return cached_profile(model, sample_batch, make,
-                          settings={**settings, "granularity": granularity}, fresh=fresh)
+    found = cached_profile(model, sample_batch, make, settings=settings, fresh=fresh)
+    partial = found.profile.meta.get("head_variants")
+    if partial is not None and (variants_needed is None or (
+            partial == "not measured" and variants_needed(found.profile))):
+        found = cached_profile(model, sample_batch, lambda: make(None), settings=settings,
+                               fresh=True)
+    return found
+
+
+def _variants_skipped(prof: Profile) -> bool:
+    """Whether ``prof`` was measured without its head's chunked variants (a budget above
+    the head as written did not need them)."""
+    return prof.meta.get("head_variants") == "not measured"
+
+
+# How close above the head-as-written floor a budget still has the variants measured:
+# verification lowers a budget by what a plan measured above it (about 1%), which must
+# not land it below a floor with nothing measured to plan there.
+_FLOOR_MARGIN = 1.02
+
+
+def _variants_needed(budget: Any, head: str) -> Callable[[Profile], bool] | None:
+    """The profiler's question for ``budget`` (see :func:`remat.profiler.profile_levels`):
+    with ``head="auto"`` a plan chunks the head only below the smallest peak of the head as
+    written, so its chunked variants are needed only for a budget under that (with
+    :data:`_FLOOR_MARGIN`); ``None`` (measure them all) for ``head="chunked"``, which
+    chunks wherever faster, and ``head="none"``, which measures no head."""
+    if head != "auto":
+        return None
+
+    def needed(prof: Profile) -> bool:
+        from remat.solver import min_peak_bytes
+
+        budget_bytes = _within_device(prof, budget)
+        return budget_bytes is not None and budget_bytes < _FLOOR_MARGIN * min_peak_bytes(prof)
+
+    return needed
 
 
 def _with_unit_type_counts(prof: Profile, model: nn.Module) -> Profile:
@@ -125,25 +217,6 @@ def _with_unit_type_counts(prof: Profile, model: nn.Module) -> Profile:
     counts = unit_type_counts(model, (u.type_name for u in prof.units),
                               [u.name for u in prof.units])
     return dataclasses.replace(prof, meta={**prof.meta, UNIT_TYPE_COUNTS: counts})
-
-
-def _as_profile(
-    model_or_profile: nn.Module | Profile,
-    sample_batch: Any,
-    *,
-    loss_fn: Callable[[Any, Any], Any] | None,
-    optimizer: Any,
-    units: Any,
-    options: Sequence[str] | None,
-    loop: Loop | None = None,
-    granularity: str = "blocks",
-    head: str = "auto",
-) -> Profile:
-    """``model_or_profile`` itself, or the profile of the model on ``sample_batch``."""
-    if isinstance(model_or_profile, Profile):
-        return model_or_profile
-    return profile(model_or_profile, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
-                   units=units, options=options, loop=loop, granularity=granularity, head=head)
 
 
 def solve(
@@ -159,9 +232,9 @@ def solve(
     loop: Loop | None = None,
     granularity: str = "blocks",
     head: str = "auto",
-    verify: bool = True,
-    verify_rounds: int = 3,
-    verify_steps: int = 1,
+    verify: bool | Verify = True,
+    verify_rounds: int | None = None,
+    verify_steps: int | None = None,
     compiled: bool = False,
     compile_options: Mapping[str, Any] | None = None,
     **solver_params: Any,
@@ -216,34 +289,36 @@ def solve(
             With a :class:`Profile`, ``"none"`` plans the head as it was measured as it
             is (a ``ProfileError`` where only its chunked variants were), ``"chunked"``
             needs a profile that measured them.
-        verify: with a model and a budget, apply the plan, measure one real step of
+        verify: with a model and a budget, apply the plan, measure a real step of
             the loop (the higher of the dispatch-level meter and the allocator's
             view), and when it is over the budget solve again for a budget lowered by
-            the excess (:mod:`remat.verify`). The plan records the measured peak.
+            the excess (:mod:`remat.tune.verify`). The plan records the measured peak.
+            ``True`` (default) is ``remat.Verify()``: one measured step, at most 3
+            plans; ``remat.Verify(rounds=..., steps=...)`` says how many of each
+            (:class:`remat.Verify`).
             A plan from a *cached* profile measured more than 1% off its prediction
             means the model changed where the cache's key does not look: that profile
             is dropped, the model profiled once more, and the plan solved on it (logged).
             ``False`` skips it (the plan then carries only its prediction).
-        verify_rounds: the most plans verification measures.
-        verify_steps: how many consecutive optimizer steps verification measures (the
-            peak over all of them); more catches memory that changes after the first
-            steps (a branch that turns on at step k), at one measured step's time each.
-        compiled: the model will train under ``torch.compile``: choose the fastest
-            plan of the optimal frontier, and inductor ``activation_memory_budget``,
-            whose *compiled* step, measured with the allocator, fits the budget
-            (:mod:`remat.compiled`; compiles a few candidates; needs the model, not a
-            profile). Compile the result with :func:`remat.compile_planned`.
-        compile_options: keyword arguments for ``torch.compile`` when ``compiled``.
+        verify_rounds, verify_steps: shorthand for ``verify=remat.Verify(rounds=...,
+            steps=...)`` (not both spellings at once): the most plans verification
+            measures, and how many consecutive optimizer steps it measures (the peak
+            over all of them; more catches memory that changes after the first steps,
+            a branch that turns on at step k, at one measured step's time each).
+        compiled, compile_options: ``compiled=True`` is
+            :func:`remat.solve_compiled` (the model will train under ``torch.compile``),
+            with ``compile_options`` and, in ``**solver_params``, its
+            ``partitioner_budgets``, ``points`` and ``max_compiles``; call
+            :func:`remat.solve_compiled` itself, where every keyword has one meaning.
         **solver_params: passed to the algorithm (e.g. ``k`` for ``"uniform"``,
-            ``time_limit_s`` for ``"ilp"``), or with ``compiled`` to
-            :func:`remat.compiled.solve_compiled` (``partitioner_budgets``,
-            ``points``, ``max_compiles``).
+            ``time_limit_s`` for ``"ilp"``).
 
     Returns:
         The :class:`Plan`, with its predicted peak and time.
 
     Raises:
-        ArgumentError: an argument of the wrong kind (checked before profiling).
+        ArgumentError: an argument of the wrong kind, ``verify=`` included (checked
+            before profiling).
         BudgetError: the budget cannot be parsed (checked before profiling).
         UnknownMethodError, UnknownParameterError: a method or keyword that does not
             exist (checked before profiling).
@@ -251,60 +326,92 @@ def solve(
     """
     if isinstance(model_or_profile, Profile) and memory_budget is None and sample_batch is not None:
         memory_budget, sample_batch = sample_batch, None  # remat.solve(profile, "8GB")
-    # Everything that can be wrong without the profile fails before profiling starts.
-    check_inputs("solve()", model_or_profile, sample_batch, loss_fn=loss_fn,
-                  optimizer=optimizer, loop=loop)
-    budget = check_budget_arg(memory_budget)  # read once, passed on
-    check_head_setting(head, "solve()")
+    settings = ProfilingSettings(loss_fn=loss_fn, optimizer=optimizer, units=units,
+                                 options=options, loop=loop, granularity=granularity, head=head)
+    # Checked whether or not verification runs: a malformed setting is a mistake either way.
+    verification = verify_setting(verify, rounds=verify_rounds, steps=verify_steps,
+                                  owner="solve()")
     if compiled:
-        check_method(method, {})
-    else:
-        check_method(method, solver_params)
-    # Checked whether or not verification runs: a malformed count is a mistake either way.
-    check_count("verify_rounds", verify_rounds, lo=1, meaning="the most plans verification "
-                "measures; verify=False skips it", owner="solve()")
-    check_count("verify_steps", verify_steps, lo=1, meaning="the consecutive optimizer "
-                "steps verification measures", owner="solve()")
-    if compiled and (isinstance(model_or_profile, Profile) or memory_budget is None):
-        raise RematError(
-            "compiled=True measures candidate plans compiled, so it needs the model, a sample "
-            "batch and a budget: remat.solve(model, sample_batch, memory_budget=..., "
-            "compiled=True)"
-        )
+        unknown = sorted(set(solver_params) - set(COMPILED_SEARCH_PARAMS))
+        if unknown:
+            raise UnknownParameterError(
+                f"solve(compiled=True) does not take {unknown}: the compiled search takes "
+                f"{list(COMPILED_SEARCH_PARAMS)} (remat.solve_compiled)")
+        return _solve_compiled(model_or_profile, sample_batch, memory_budget, settings,
+                               method=method, compile_options=compile_options,
+                               search_params=solver_params, owner="solve()")
+    return solve_with(model_or_profile, sample_batch, memory_budget, settings, method=method,
+                      verify=verification, solver_params=solver_params)
+
+
+def solve_with(
+    model_or_profile: nn.Module | Profile,
+    sample_batch: Any,
+    memory_budget: int | str | None,
+    settings: ProfilingSettings,
+    *,
+    method: str = "optimal",
+    verify: Verify | None = _VERIFY,
+    solver_params: Mapping[str, Any] | None = None,
+    owner: str = "solve()",
+) -> Plan:
+    """:func:`solve` for settings held as values (the trainer callbacks hold them so):
+    the profiling settings, and the verification (``None``: none).
+
+    Everything that can be wrong without the profile fails before profiling starts, and
+    the budget is resolved to bytes once, when the profile is known: that is the number
+    solved for, verified against and recorded.
+    """
+    solver_params = dict(solver_params or {})
+    check_inputs(owner, model_or_profile, sample_batch, loss_fn=settings.loss_fn,
+                 optimizer=settings.optimizer, loop=settings.loop)
+    budget = check_budget_arg(memory_budget)  # read once, passed on
+    check_head_setting(settings.head, owner)
+    check_method(method, solver_params)
     if isinstance(model_or_profile, Profile):
-        prof = profile_for_head(model_or_profile, head, "solve()")
-        plan = _solve(prof, sample_batch, _within_device(prof, budget), method=method,
-                      verify=False, solver_params=solver_params, head=head)
+        prof = profile_for_head(model_or_profile, settings.head, owner)
+        plan = _solve(prof, sample_batch, _within_device(prof, budget), settings,
+                      method=method, verify=None, solver_params=solver_params)
     else:
         from remat.tune.ambient import planning
-        from remat.tune.profile_cache import note_restored
+        from remat.tune.sharded import is_sharded, solve_sharded
 
         model = model_or_profile
-        with planning(model, loop, "solve()") as loop:
-            settings = {"loss_fn": loss_fn, "optimizer": optimizer, "units": units,
-                        "options": options, "loop": loop, "head": head}
-            found = _profile(model, sample_batch, granularity=granularity, **settings)
-            prof = found.profile
-            # Both searches plan within what the device can give (CUDA), eager or compiled.
-            budget = _within_device(prof, budget)
-            if compiled:
-                from remat.tune.compiled import solve_compiled
+        if is_sharded(model):  # FSDP2: every rank calls; one plan for all (remat.tune.sharded)
+            return solve_sharded(
+                model, sample_batch, budget, method=method, loss_fn=settings.loss_fn,
+                optimizer=settings.optimizer, units=settings.units, options=settings.options,
+                loop=settings.loop, granularity=settings.granularity, head=settings.head,
+                verify=verify is not None,
+                verify_rounds=verify.rounds if verify is not None else 1,
+                verify_steps=verify.steps if verify is not None else 1,
+                solver_params=solver_params)
+        with planning(model, settings.loop, owner) as loop:
+            settings = settings.replace(loop=loop)
+            needed = _variants_needed(budget, settings.head)
+            found = _profile(model, sample_batch, settings, variants_needed=needed)
 
-                try:
-                    return solve_compiled(model, sample_batch, prof, budget, method=method,
-                                          loss_fn=loss_fn, optimizer=optimizer,
-                                          compile_options=compile_options, **solver_params)
-                finally:
-                    note_restored(model, prof)
+            def reprofile() -> tuple[Profile, int | None]:
+                # A percentage budget is of the profile: resolved again for the fresh one.
+                fresh = _profile(model, sample_batch, settings, fresh=True,
+                                 variants_needed=needed).profile
+                return fresh, _within_device(fresh, budget)
 
-            def reprofile() -> Profile:
-                return _profile(model, sample_batch, granularity=granularity, fresh=True,
-                                **settings).profile
-
-            plan = _solve(prof, sample_batch, budget, method=method, verify=verify,
-                          solver_params=solver_params, model=model, loss_fn=loss_fn,
-                          optimizer=optimizer, rounds=verify_rounds, steps=verify_steps,
-                          reprofile=reprofile if found.cached else None, head=head)
+            try:
+                plan = _solve(found.profile, sample_batch,
+                              _within_device(found.profile, budget), settings, method=method,
+                              verify=verify, solver_params=solver_params, model=model,
+                              reprofile=reprofile if found.cached else None)
+            except InfeasibleBudgetError:
+                if not _variants_skipped(found.profile):
+                    raise
+                # Verification lowered the budget below the head as written: measure the
+                # chunked head after all (kept in the cache for the next budget).
+                log.info("remat: the budget needs the head chunked: measuring its variants")
+                full = _profile(model, sample_batch, settings, fresh=True).profile
+                plan = _solve(full, sample_batch, _within_device(full, budget), settings,
+                              method=method, verify=verify, solver_params=solver_params,
+                              model=model)
     log.info(
         "remat: %s plan (%s), predicted peak %d B, step %.1f ms",
         plan.record.algorithm,
@@ -315,20 +422,120 @@ def solve(
     return plan
 
 
-def _within_device(profile: Profile, budget: Any) -> Any:
-    """``budget``, or the device's capacity where that is less (CUDA: a plan for more
-    than the device can give would run out of memory, whatever budget it was asked for)."""
-    if budget is None or not profile.device.startswith("cuda"):
-        return budget
+def solve_compiled(
+    model: nn.Module,
+    sample_batch: Any,
+    memory_budget: int | str,
+    *,
+    method: str = "optimal",
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    optimizer: Any = None,
+    units: Any = None,
+    options: Sequence[str] | None = None,
+    loop: Loop | None = None,
+    granularity: str = "blocks",
+    head: str = "auto",
+    compile_options: Mapping[str, Any] | None = None,
+    partitioner_budgets: Sequence[float] = (1.0, 0.7, 0.4),
+    points: int = 20,
+    max_compiles: int = 6,
+) -> Plan:
+    """The plan for a model that will train under ``torch.compile``: the fastest plan of
+    the optimal frontier, with inductor's ``activation_memory_budget``, whose *compiled*
+    step, measured with the allocator, fits the budget (:mod:`remat.tune.compiled`).
+
+    remat's predictions describe eager execution; compiled, a step holds other tensors,
+    so this search measures instead of predicting. It compiles a few candidates (seconds
+    to minutes), so it needs the model, a sample batch and a budget, never a profile.
+    Compile the result with :func:`remat.compile_planned`. (``solve(..., compiled=True)``
+    is this function.)
+
+    Args:
+        model, sample_batch, memory_budget: as for :func:`solve` (the budget is the
+            compiled step's peak, everything included).
+        method: the exact algorithm that builds the frontier: ``"optimal"``, ``"dp"``
+            or ``"ilp"``.
+        loss_fn, optimizer, units, options, loop, granularity, head: the profiling
+            settings, as for :func:`solve`.
+        compile_options: keyword arguments for ``torch.compile`` (``backend``, ``mode``).
+        partitioner_budgets: the ``activation_memory_budget`` values to search with
+            (each may cost a binary search; ``(1.0,)``: remat's checkpointing only).
+        points: budgets along the eager frontier (its distinct plans are the candidates).
+        max_compiles: at most this many candidates are compiled per partitioner budget.
+
+    Returns:
+        The plan, ``feasible`` (not ``optimal``), with its compiled peak, step time and
+        ``activation_memory_budget`` measured (``plan.compiled``).
+
+    Raises:
+        ArgumentError, BudgetError: as for :func:`solve`, or no model, batch or budget.
+        InfeasibleBudgetError: no candidate fits compiled.
+    """
+    settings = ProfilingSettings(loss_fn=loss_fn, optimizer=optimizer, units=units,
+                                 options=options, loop=loop, granularity=granularity, head=head)
+    return _solve_compiled(
+        model, sample_batch, memory_budget, settings, method=method,
+        compile_options=compile_options, owner="solve_compiled()",
+        search_params={"partitioner_budgets": partitioner_budgets, "points": points,
+                       "max_compiles": max_compiles})
+
+
+# solve_compiled()'s keywords of the search itself (solve(compiled=True) takes them too).
+COMPILED_SEARCH_PARAMS = ("partitioner_budgets", "points", "max_compiles")
+
+
+def _solve_compiled(model: Any, sample_batch: Any, memory_budget: Any,
+                    settings: ProfilingSettings, *, method: str,
+                    compile_options: Mapping[str, Any] | None,
+                    search_params: Mapping[str, Any], owner: str) -> Plan:
+    """:func:`solve_compiled`'s work (``owner``: the call the user made, named in errors)."""
+    check_inputs(owner, model, sample_batch, loss_fn=settings.loss_fn,
+                 optimizer=settings.optimizer, loop=settings.loop)
+    budget = check_budget_arg(memory_budget)
+    check_head_setting(settings.head, owner)
+    check_method(method, {})
+    if isinstance(model, Profile) or memory_budget is None:
+        raise ArgumentError(
+            f"{owner} measures candidate plans compiled, so it needs the model, a sample "
+            "batch and a budget: remat.solve_compiled(model, sample_batch, memory_budget=...)")
+    from remat.tune.ambient import planning
+    from remat.tune.profile_cache import note_restored
+    from remat.tune.sharded import is_sharded
+
+    if is_sharded(model):
+        raise ArgumentError(f"{owner}: the compiled search does not support a model sharded "
+                            "with fully_shard yet; plan it with remat.solve (eager)")
+    with planning(model, settings.loop, owner) as loop:
+        settings = settings.replace(loop=loop)
+        prof = _profile(model, sample_batch, settings).profile
+        # Like the eager search, within what the device can give (CUDA).
+        budget_bytes = _within_device(prof, budget)
+        from remat.tune.compiled import solve_compiled as search
+
+        try:
+            return search(model, sample_batch, prof, budget_bytes, method=method,
+                          loss_fn=settings.loss_fn, optimizer=settings.optimizer,
+                          compile_options=compile_options, **search_params)
+        finally:
+            note_restored(model, prof)
+
+
+def _within_device(profile: Profile, budget: Any) -> int | None:
+    """``budget`` in bytes for ``profile``, resolved once (a percentage is of this
+    profile), or the device's capacity where that is less (CUDA: a plan for more than the
+    device can give would run out of memory, whatever budget it was asked for)."""
+    if budget is None:
+        return None
+    asked = resolve_budget(budget, profile)
+    if not profile.device.startswith("cuda"):
+        return asked
     import torch
 
     from remat.measurement.device import device_capacity_bytes
-    from remat.solver.resolve import resolve_budget
 
     capacity = device_capacity_bytes(torch.device(profile.device))
-    asked = resolve_budget(budget, profile)
     if capacity is None or asked <= capacity:
-        return budget
+        return asked
     log.warning("remat: memory_budget=%s is more than %s can give (%s free and held by this "
                 "process): planning for that instead", format_bytes(asked), profile.device,
                 format_bytes(capacity))
@@ -344,29 +551,33 @@ class _StaleProfile(Exception):
         self.measured_bytes = measured_bytes
 
 
-def _solve(prof: Profile, sample_batch: Any, budget: Any, *, method: str, verify: bool,
+def _solve(prof: Profile, sample_batch: Any, budget_bytes: int | None,
+           settings: ProfilingSettings, *, method: str, verify: Verify | None,
            solver_params: Mapping[str, Any], model: nn.Module | None = None,
-           loss_fn: Callable[[Any, Any], Any] | None = None, optimizer: Any = None,
-           rounds: int = 3, steps: int = 1,
-           reprofile: Callable[[], Profile] | None = None, head: str = "auto") -> Plan:
-    """:func:`solve`'s plan for ``prof``, verified on ``model`` when there is one and a budget.
+           reprofile: Callable[[], tuple[Profile, int | None]] | None = None) -> Plan:
+    """:func:`solve`'s plan for ``prof`` within ``budget_bytes`` (resolved once, by the
+    caller), verified on ``model`` as ``verify`` says when there is a model and a budget.
 
     ``reprofile``: given where ``prof`` came from the cache. The cache's key cannot see
-    everything a step's memory depends on (:mod:`remat.profile_cache`), so a plan measured
-    further from its prediction than the predictions go (:func:`remat.verify.off_prediction`)
-    drops ``prof``: the model is profiled once more, and solved and verified on that.
+    everything a step's memory depends on (:mod:`remat.tune.profile_cache`), so a plan
+    measured further from its prediction than the predictions go
+    (:func:`remat.tune.verify.off_prediction`) drops ``prof``: ``reprofile()`` profiles
+    the model once more (and resolves the budget for that profile), and the plan is
+    solved and verified on that.
     """
     from remat.solver.solve import solve_profile
 
-    plan = solve_profile(prof, budget, method=method, head=head, **solver_params)
-    if not verify or plan.budget_bytes is None or model is None:
+    head = settings.head
+    plan = solve_profile(prof, budget_bytes, method=method, head=head, **solver_params)
+    if verify is None or budget_bytes is None or model is None:
         return plan
     from remat.tune.profile_cache import note_prediction_off, note_restored
     from remat.tune.verify import measure_plan, off_prediction, verified
 
     def measure(candidate: Plan) -> StepMeasurement:
-        measured = measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
-                                optimizer=optimizer, loop=prof.loop, steps=steps)
+        measured = measure_plan(model, sample_batch, candidate, loss_fn=settings.loss_fn,
+                                optimizer=settings.optimizer, loop=prof.loop,
+                                steps=verify.steps, timed=verify.timed)
         if off_prediction(candidate, measured):
             if reprofile is not None:
                 raise _StaleProfile(candidate, measured.worst_peak_bytes)
@@ -375,11 +586,11 @@ def _solve(prof: Profile, sample_batch: Any, budget: Any, *, method: str, verify
 
     try:
         return verified(
-            plan, plan.budget_bytes,
+            plan, budget_bytes,
             lambda target: solve_profile(prof, target, method=method, head=head,
                                          **solver_params)
-            .with_(budget_bytes=plan.budget_bytes),
-            measure, rounds=rounds,
+            .with_(budget_bytes=budget_bytes),
+            measure, rounds=verify.rounds,
         )
     except _StaleProfile as err:
         stale = err  # solved again below, outside the handler: no chained traceback
@@ -389,11 +600,11 @@ def _solve(prof: Profile, sample_batch: Any, budget: Any, *, method: str, verify
     assert reprofile is not None
     log.warning("remat: a plan from the cached profile of this %s measured %s against a "
                 "prediction of %s: the model changed in a way the cache's key does not see "
-                "(remat.profile_cache); profiling it again", type(model).__name__,
+                "(remat.tune.profile_cache); profiling it again", type(model).__name__,
                 format_bytes(stale.measured_bytes), format_bytes(stale.predicted_bytes))
-    return _solve(reprofile(), sample_batch, budget, method=method, verify=True,
-                  solver_params=solver_params, model=model, loss_fn=loss_fn,
-                  optimizer=optimizer, rounds=rounds, steps=steps, head=head)
+    fresh, fresh_budget_bytes = reprofile()
+    return _solve(fresh, sample_batch, fresh_budget_bytes, settings, method=method,
+                  verify=verify, solver_params=solver_params, model=model)
 
 
 def profile_for_head(profile: Profile, head: str, owner: str) -> Profile:
@@ -454,12 +665,10 @@ def pareto(
     if isinstance(model_or_profile, Profile):
         prof = profile_for_head(model_or_profile, head, "pareto()")
     else:
-        from remat.tune.ambient import planning
-
-        with planning(model_or_profile, loop, "pareto()") as loop:
-            prof = _as_profile(model_or_profile, sample_batch, loss_fn=loss_fn,
-                               optimizer=optimizer, units=units, options=options, loop=loop,
-                               granularity=granularity, head=head)
+        settings = ProfilingSettings(loss_fn=loss_fn, optimizer=optimizer, units=units,
+                                     options=options, loop=loop, granularity=granularity,
+                                     head=head)
+        prof = profile_with(model_or_profile, sample_batch, settings, "pareto()")
     from remat.solver.pareto import pareto_frontier
 
     return pareto_frontier(prof, points=points, method=method, baselines=baselines, head=head)

@@ -20,6 +20,7 @@ from remat.core.errors import InfeasibleBudgetError
 from remat.core.loop import Loop
 from remat.core.plan import Plan
 from remat.core.profile import Profile
+from remat.core.settings import ProfilingSettings
 from remat.solver.head_choice import min_peak_bytes_over_heads
 from remat.solver.simulate import Simulation, simulate
 from remat.tune.remedies import Remedy, checkpointing_only, floor_cause, remedies
@@ -254,13 +255,12 @@ def estimate(
 
         prof = profile_for_head(model_or_profile, head, "estimate()")
     else:
-        from remat.api import profile
-        from remat.tune.ambient import planning
+        from remat.api import profile_with
 
         # Inside a torch.autocast, the estimate is for that loop (remat.tune.ambient).
-        with planning(model_or_profile, loop, "estimate()") as loop:
-            prof = profile(model_or_profile, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
-                           units=units, options=options, loop=loop, head=head)
+        settings = ProfilingSettings(loss_fn=loss_fn, optimizer=optimizer, units=units,
+                                     options=options, loop=loop, head=head)
+        prof = profile_with(model_or_profile, sample_batch, settings, "estimate()")
     return estimate_profile(prof, memory_budget)
 
 

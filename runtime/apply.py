@@ -40,6 +40,7 @@ from remat.execute.options import (
     tracking_batchnorms,
 )
 from remat.execute.planned import STATE_ATTR, unwrap
+from remat.execute.sharding import check_world_size
 from remat.execute.structure import (
     describe_mismatch,
     holds_a_unit,
@@ -63,12 +64,15 @@ from remat.runtime.inplace import (
 )
 from remat.runtime.plan_head import check_head, install_plan_head, remove_plan_head
 from remat.runtime.segments import SegmentRunner
+from remat.runtime.sequential_links import SequentialLinks
 
 __all__ = ["apply_plan", "planned", "remove_plan"]
 
 logger = logging.getLogger(__name__)
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+_KEEP = Option.KEEP.value
 
 
 # --------------------------------------------------------------------------- state
@@ -123,15 +127,22 @@ class _RematState:
 
     def call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run unit ``index`` under its option (or as part of its segment)."""
-        module = self.modules[index]
+        runner = self.runner
         option = self.runs_as[index] or self.plan.options[index]
+        if option == _KEEP and (runner is None or not runner.is_open):
+            return self.original_forward(index)(*args, **kwargs)  # nothing to do, at no cost
+        module = self.modules[index]
         active = option_is_active(module, option)
         compiling = torch.compiler.is_compiling()
-        runner = self.runner
         if runner is not None:
             if index in runner.segment_of and active:
                 if compiling:
                     return runner.call_ahead(index, self.original_forward, args, kwargs)
+                if not kwargs and len(args) == 1 and index != runner.segment_of[index][0]:
+                    # A later unit called with one argument: it is the chained input
+                    # (the runner refuses the call otherwise), which the replay
+                    # recomputes, so a write into it is allowed: nothing to watch.
+                    return _eager_segment_call(self, index, args, kwargs)
                 before = argument_versions(args, kwargs)
                 output = _eager_segment_call(self, index, args, kwargs)
                 self._refuse_writes_in_segment(index, args, kwargs, before)
@@ -284,7 +295,15 @@ class _PlannedForward:
         return self._remat_state.original_forward(self._index)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._remat_state.call(self._index, args, kwargs)
+        state = self._remat_state
+        runner = state.runner
+        if (runner is not None and runner.expects_quiet(self._index, args, kwargs)
+                and not torch.compiler.is_compiling()):
+            # The hot path of a segment a stock nn.Sequential drives, a few calls deep:
+            # nothing ran since the previous unit, so nothing needs checking
+            # (runtime/sequential_links.py).
+            return _eager_segment_quiet(state, self._index, args[0])
+        return state.call(self._index, args, kwargs)
 
     def __repr__(self) -> str:
         state = self._remat_state
@@ -326,18 +345,25 @@ def _segment_call(
     return runner.call(index, state.original_forward(index), args, kwargs)
 
 
+def _segment_quiet(state: _RematState, index: int, x: torch.Tensor) -> Any:
+    runner = cast(SegmentRunner, state.runner)
+    return runner.call_quiet(index, state.original_forward(index), x)
+
+
 def _segment_close(runner: SegmentRunner) -> None:
     runner.close()
 
 
 _eager_segment_call: Callable[..., Any] = _segment_call
+_eager_segment_quiet: Callable[..., Any] = _segment_quiet
 _eager_segment_close: Callable[[SegmentRunner], None] = _segment_close
 
 
 def _disable_compile_for_segments() -> None:
-    global _eager_segment_call, _eager_segment_close
+    global _eager_segment_call, _eager_segment_quiet, _eager_segment_close
     if _eager_segment_call is _segment_call:
         _eager_segment_call = torch.compiler.disable(_segment_call)
+        _eager_segment_quiet = torch.compiler.disable(_segment_quiet)
         _eager_segment_close = torch.compiler.disable(_segment_close)
 
 
@@ -429,7 +455,8 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False,
     runner = None
     if plan.segments:
         _disable_compile_for_segments()
-        runner = SegmentRunner(plan.unit_names, modules, plan.segments)
+        links = SequentialLinks(target, plan.unit_names, modules, plan.segments)
+        runner = SegmentRunner(plan.unit_names, modules, plan.segments, links)
     saved = [m.__dict__.get("forward") for m in modules]
     state = _RematState(plan, modules, saved, runner)
     for i, module in enumerate(modules):
@@ -462,6 +489,8 @@ def remove_plan(model: ModuleT) -> ModuleT:
         return model
     if state.runner is not None:
         state.runner.close()
+        if getattr(state.runner, "links", None) is not None:
+            state.runner.links.remove()
     for i, module in enumerate(state.modules):
         current = module.__dict__.get("forward")
         if not (isinstance(current, _PlannedForward) and current._remat_state is state):
@@ -538,6 +567,7 @@ def _validate(model: nn.Module, plan: Plan) -> list[nn.Module]:
     _check_depth(model, plan, modules)
     _check_options(plan)
     _check_device(model, plan)
+    check_world_size(model, plan)
     check_head(model, plan)
     return modules
 

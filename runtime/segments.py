@@ -51,6 +51,7 @@ from remat.execute.arguments import CallArguments
 from remat.execute.boundary import Slot, boundary_input, boundary_output
 from remat.execute.kv_cache import drop_kv_cache
 from remat.execute.options import autocast_without_cache, checkpoint_context_fn
+from remat.runtime.sequential_links import SequentialLinks
 from remat.runtime.torch_checkpoint import checkpoint_generator
 
 __all__ = ["SegmentRunner"]
@@ -61,7 +62,15 @@ logger = logging.getLogger(__name__)
 RngStates = tuple[torch.Tensor, list[int], list[torch.Tensor]]  # CPU, device ids, device states
 
 
+_NO_DEVICE_STATE = ("cpu", "meta")
+
+
 def _rng_states(x: torch.Tensor) -> RngStates:
+    # Taken at every unit boundary of a segment, so it must cost about nothing:
+    # torch's get_device_states walks its arguments with pytree (about 4 us a call on
+    # CPU, a third of the whole per-unit cost); a CPU tensor has no device state.
+    if x.device.type in _NO_DEVICE_STATE:
+        return torch.default_generator.get_state(), [], []
     devices, states = _ckpt.get_device_states(x)
     return torch.get_rng_state(), devices, states
 
@@ -71,7 +80,7 @@ def _same_rng(a: RngStates, b: RngStates) -> bool:
             and all(torch.equal(x, y) for x, y in zip(a[2], b[2])))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _UnitCall:
     """One recorded unit call of a segment, minus its chained tensor.
 
@@ -114,10 +123,19 @@ class _Replay:
     """
 
     def __init__(self) -> None:
-        self.calls: list[_UnitCall] = []
+        # A quiet call (.sequential_links) is recorded as its forward alone: it takes the
+        # chained tensor and nothing else, and nothing ran before it since the last one.
+        self.calls: list[_UnitCall | Callable[[torch.Tensor], Any]] = []
 
     def __call__(self, x: torch.Tensor) -> None:
         for call in self.calls:
+            if not isinstance(call, _UnitCall):
+                out = call(x)
+                nxt = out if type(out) is torch.Tensor else boundary_output(out)
+                if nxt is None:
+                    return
+                x = nxt
+                continue
             if call.rng is not None:
                 cpu_state, devices, device_states = call.rng
                 torch.set_rng_state(cpu_state)
@@ -137,19 +155,21 @@ class _OpenSegment:
         self,
         bounds: tuple[int, int],
         names: Sequence[str],
-        modules: list[nn.Module],
+        context_fn: Callable[[], tuple[Any, Any]],
         first_input: torch.Tensor,
+        links: SequentialLinks | None = None,
     ) -> None:
         self.bounds = bounds
         self.names = names
+        self.links = links
+        # The unit whose call continues the segment over a link that needs no check
+        # (see .sequential_links), or None.
+        self.quiet_next: int | None = None
         self.last_index: int | None = None
         self.replay = _Replay()
         self._last_output: torch.Tensor | None = None
         self._rng_after_previous: RngStates | None = None
         self._between: torch.autograd.graph.saved_tensors_hooks | None = None
-        # BatchNorm statistics are restored after recomputation, for every module of
-        # the segment, so they update once per step.
-        context_fn = checkpoint_context_fn(modules, Option.CHECKPOINT) or _ckpt.noop_context_fn
         self._gen = checkpoint_generator(self.replay, first_input, context_fn=context_fn)
         next(self._gen)  # saves the input and pushes the checkpoint's saved-tensor hooks
 
@@ -190,7 +210,9 @@ class _OpenSegment:
         self._pop_between()
         self._last_output = None
         rng = None
-        if self.last_index is not None:
+        if self.quiet_next is not None:
+            self.quiet_next = None
+        elif self.last_index is not None:
             x = args[slot] if isinstance(slot, int) else kwargs[slot]
             rng = _rng_states(x)
             after_previous, self._rng_after_previous = self._rng_after_previous, None
@@ -212,6 +234,25 @@ class _OpenSegment:
             raise
         return output
 
+    def run_quiet(self, index: int, forward: Callable[..., Any], x: torch.Tensor) -> Any:
+        """Unit ``index`` called over a quiet link with the previous unit's output alone.
+
+        What :meth:`run` does, less what the link makes needless: no chain search (the
+        argument is the previous output), no RNG state (nothing drew between the
+        units), no container snapshot (the call has none): the record is the forward.
+        """
+        self.quiet_next = None
+        self._last_output = None
+        self.replay.calls.append(forward)
+        self.last_index = index
+        try:
+            with autocast_without_cache():
+                output = forward(x)
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        return output
+
     def unit_returned(self, index: int, output: Any) -> bool:
         """Note unit ``index``'s output; close the region after the last unit.
 
@@ -221,7 +262,7 @@ class _OpenSegment:
         if index == b:
             self.close()
             return True
-        out = boundary_output(output)
+        out = output if type(output) is torch.Tensor else boundary_output(output)
         if out is None:
             error = RematError(
                 f"unit '{self.names[index]}' of segment {a}-{b} returned no tensor, so it "
@@ -230,6 +271,9 @@ class _OpenSegment:
             self.abort(error)
             raise error
         self._last_output = out
+        if self.links is not None and self.links.quiet(index):
+            self.quiet_next = index + 1
+            return False
         self._rng_after_previous = _rng_states(out)
         self._push_between(index)
         return False
@@ -301,24 +345,55 @@ class SegmentRunner:
         names: Sequence[str],
         modules: Sequence[nn.Module],
         segments: Sequence[tuple[int, int]],
+        links: SequentialLinks | None = None,
     ) -> None:
         self.names = tuple(names)
+        self.links = links
         self.modules = list(modules)
         self.segment_of: dict[int, tuple[int, int]] = {
             i: (a, b) for a, b in segments for i in range(a, b + 1)
         }
         self._open: _OpenSegment | None = None
         self._ahead: _Ahead | None = None
+        self._context_fns: dict[tuple[int, int], Callable[[], tuple[Any, Any]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = None
         state["_ahead"] = None
+        state["_context_fns"] = {}
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_context_fns", {})  # pickled by a remat without the cache
+        state.setdefault("links", None)
+        self.__dict__.update(state)
 
     @property
     def is_open(self) -> bool:
         return self._open is not None
+
+    def expects_quiet(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether this call continues the open segment over a quiet link
+        (:mod:`.sequential_links`): the unit expected next, called with the previous
+        unit's output alone. Then :meth:`call_quiet` runs it."""
+        seg = self._open
+        return (seg is not None and seg.quiet_next == index and not kwargs and len(args) == 1
+                and args[0] is seg._last_output)
+
+    def call_quiet(self, index: int, forward: Callable[..., Any], x: torch.Tensor) -> Any:
+        """Run unit ``index`` on ``x`` after :meth:`expects_quiet` said yes."""
+        seg = self._open
+        assert seg is not None  # expects_quiet checked it
+        try:
+            output = seg.run_quiet(index, forward, x)
+            finished = seg.unit_returned(index, output)
+        except BaseException:
+            self._open = None
+            raise
+        if finished:
+            self._open = None
+        return output
 
     def close(self) -> None:
         """Close the open segment, if any (the forward ended, or something else runs now)."""
@@ -336,9 +411,9 @@ class SegmentRunner:
         kwargs: dict[str, Any],
     ) -> Any:
         """Run unit ``index`` (a member of a segment) while the segment is active."""
-        a, b = bounds = self.segment_of[index]
-        module = self.modules[index]
-        args, kwargs = drop_kv_cache(module, args, kwargs)
+        bounds = self.segment_of[index]
+        a, b = bounds
+        args, kwargs = drop_kv_cache(self.modules[index], args, kwargs)
         seg = self._open
         if seg is not None and not (seg.bounds == bounds and seg.continues_with(index)):
             self.close()
@@ -351,8 +426,8 @@ class SegmentRunner:
                 raise
         else:
             slot, first_input = self._segment_input(index, args, kwargs)
-            seg = self._open = _OpenSegment(bounds, self.names, self.modules[a : b + 1],
-                                            first_input)
+            seg = self._open = _OpenSegment(bounds, self.names, self._context_fn(bounds),
+                                            first_input, self.links)
         try:
             output = seg.run(index, forward, args, kwargs, slot)
             finished = seg.unit_returned(index, output)
@@ -362,6 +437,20 @@ class SegmentRunner:
         if finished:
             self._open = None
         return output
+
+    def _context_fn(self, bounds: tuple[int, int]) -> Callable[[], tuple[Any, Any]]:
+        """The segment's eager checkpoint ``context_fn``, made once per plan.
+
+        BatchNorm statistics are restored after recomputation, for every module of the
+        segment, so they update once per step; modes are as in the forward.
+        """
+        made = self._context_fns.get(bounds)
+        if made is None:
+            a, b = bounds
+            made = (checkpoint_context_fn(self.modules[a : b + 1], Option.CHECKPOINT)
+                    or _ckpt.noop_context_fn)
+            self._context_fns[bounds] = made
+        return made
 
     def _segment_input(
         self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -95,8 +95,16 @@ def checkpoint_generator(
     form = _installed_form() if generator is None else generator_form(gen_fn)
     values = {"preserve_rng_state": True, "context_fn": context_fn,
               "determinism_check": "default", "debug": False, "early_stop": True}
-    names = inspect.signature(gen_fn).parameters
+    names, before = _parameters(gen_fn)
     if form == "keyword":
         return gen_fn(fn, (first_input,), {}, **{k: v for k, v in values.items() if k in names})
-    before = [name for name, p in names.items() if p.kind < inspect.Parameter.VAR_POSITIONAL]
     return gen_fn(fn, *(values[name] for name in before[1:]), first_input)
+
+
+@functools.cache
+def _parameters(gen_fn: Callable[..., Any]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The generator's parameter names, and those before ``*args``: read once (``inspect``
+    costs tens of microseconds, and a segment opens at every step)."""
+    params = inspect.signature(gen_fn).parameters
+    return frozenset(params), tuple(name for name, p in params.items()
+                                    if p.kind < inspect.Parameter.VAR_POSITIONAL)

@@ -182,6 +182,27 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      ArgumentError, "strict_shapes must be True or False"),
     ("a loss of no arguments", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=os.getcwd),
      ArgumentError, "loss_fn is called as loss_fn(output, batch), and getcwd()"),
+    # Verification is one value: True, False or remat.Verify(rounds=..., steps=...).
+    ("verify a string", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=LOSS, verify="yes"),
+     ArgumentError, "verify must be True (measure the plan: remat.Verify()), False (do not) "
+     "or remat.Verify(rounds=..., steps=...), got verify='yes'"),
+    ("Verify rounds 0", lambda: remat.Verify(rounds=0), ParameterError,
+     "remat.Verify() needs rounds, an int with 1 <= rounds"),
+    ("Verify steps 1.5", lambda: remat.Verify(steps=1.5), ParameterError, "got steps=1.5"),
+    ("verify said twice", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=LOSS,
+                                              verify=remat.Verify(), verify_rounds=2),
+     ArgumentError, "say it in one place, verify=remat.Verify(rounds=..., steps=...)"),
+    # The compiled search is its own entry point.
+    ("solve_compiled a profile", lambda: remat.solve_compiled(PROFILE, None, "1GB"),
+     ArgumentError, "solve_compiled() measures candidate plans compiled, so it needs the model"),
+    ("solve_compiled no budget", lambda: remat.solve_compiled(MODEL, BATCH, None, loss_fn=LOSS),
+     ArgumentError, "needs the model, a sample batch and a budget"),
+    ("solve_compiled bad method", lambda: remat.solve_compiled(MODEL, BATCH, "1GB", loss_fn=LOSS,
+                                                               method="greedy"),
+     UnknownMethodError, "valid methods"),
+    ("solve compiled, a solver keyword", lambda: remat.solve(MODEL, BATCH, "1GB", loss_fn=LOSS,
+                                                             compiled=True, k=2),
+     UnknownParameterError, "solve(compiled=True) does not take ['k']"),
 ]
 
 

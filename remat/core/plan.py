@@ -127,6 +127,9 @@ class PlanTarget:
             (``(class name, count)`` pairs; JSON writes them as an object). A model
             with more of them is deeper than the one profiled: its extra blocks would
             run unplanned, outside the plan's figures, so ``apply_plan`` refuses it.
+        world_size: for a model sharded with FSDP2, the ranks its parameters were sharded
+            over when the plan was solved (its figures are one rank's: another world size
+            is another step, so ``apply_plan`` refuses it); ``None`` for an unsharded model.
 
     ``None`` in any field: not known, not checked (a manual plan).
     """
@@ -137,8 +140,13 @@ class PlanTarget:
     loop: Loop | None = None
     input_shapes: Shapes | None = None
     unit_type_counts: Counts | None = None
+    world_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.world_size is not None and (isinstance(self.world_size, bool) or not isinstance(
+                self.world_size, int) or self.world_size < 1):
+            raise PlanError(f"Plan.target.world_size must be an int >= 1 (the ranks a sharded "
+                            f"model's plan was solved for), got {self.world_size!r}")
         for name in ("unit_types", "unit_signatures"):
             value = getattr(self, name)
             if value is not None:
@@ -160,6 +168,8 @@ class PlanTarget:
             d["input_shapes"] = {name: list(shape) for name, shape in self.input_shapes}
         if self.unit_type_counts is not None:
             d["unit_type_counts"] = dict(self.unit_type_counts)
+        if self.world_size is None:  # unsharded: the plan file stays as it was
+            del d["world_size"]
         return d
 
     @classmethod

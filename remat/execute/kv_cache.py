@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = ["drop_kv_cache", "is_kv_cache", "warn_kv_cache_once"]
 
@@ -57,6 +57,8 @@ def drop_kv_cache(
     Unchanged when the layer declares ``_can_checkpoint_with_cache`` (it only reads
     the cache). Gradients are unchanged; the model's returned cache stays empty.
     """
+    if not kwargs and all(isinstance(a, Tensor) for a in args):
+        return args, kwargs  # the usual unit call, checked at every unit: no cache in it
     if getattr(module, "_can_checkpoint_with_cache", False):
         return args, kwargs
     dropped = any(is_kv_cache(v) for v in (*args, *kwargs.values()))

@@ -19,6 +19,7 @@ from remat.core.checks import check_budget_arg, check_loss_fn
 from remat.core.errors import RematError
 from remat.core.loop import Loop
 from remat.core.plan import Plan
+from remat.core.settings import ProfilingSettings, Verify
 from remat.measurement.step_meter import TrainerStepPeak
 from remat.solver.solve import check_method
 
@@ -33,14 +34,15 @@ class IntegrationError(RematError):
 
 @dataclass(frozen=True)
 class CallbackSettings:
-    """What a callback solves with: the budget and :func:`remat.solve`'s options."""
+    """What a callback solves with: the budget, :func:`remat.solve`'s method, the profiling
+    settings as one value (the loss function, the units and the options; the loop and
+    the optimizer are the trainer's, filled in when training starts), the verification
+    (``None``: none) and the callback's own."""
 
     memory_budget: Any
     method: str = "optimal"
-    loss_fn: Any = None
-    units: Any = None
-    options: Any = None
-    verify: bool = True
+    profiling: ProfilingSettings = field(default_factory=ProfilingSettings)
+    verify: Verify | None = field(default_factory=Verify)
     include_optimizer: bool = True
     measure_step: int | None = 1
     solver_params: dict[str, Any] = field(default_factory=dict)
@@ -52,7 +54,7 @@ class CallbackSettings:
                                    "peak one training step may reach on the device")
         check_budget_arg(self.memory_budget)
         check_method(self.method, self.solver_params)
-        check_loss_fn(self.loss_fn, "RematCallback")
+        check_loss_fn(self.profiling.loss_fn, "RematCallback")
         step = self.measure_step
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)
                                  or step < 0):
@@ -123,11 +125,13 @@ class RunReport:
 
 def solve_plan(model: Any, batch: Any, loop: Loop, optimizer: Any,
                settings: CallbackSettings, *, loss_fn: Any = None, head: str = "auto") -> Plan:
-    """The verified plan for ``model`` on ``batch`` in ``loop`` (:func:`remat.solve`)."""
-    from remat.api import solve
+    """The verified plan for ``model`` on ``batch`` in ``loop`` (:func:`remat.solve`): the
+    callback's profiling settings with the trainer's loop and optimizer filled in
+    (``loss_fn``, where given, replaces the callback's: a wrapper's loss is its output)."""
+    from remat.api import solve_with
 
-    return solve(model, batch, settings.memory_budget, method=settings.method,
-                 loss_fn=loss_fn if loss_fn is not None else settings.loss_fn,
-                 optimizer=optimizer if settings.include_optimizer else None,
-                 units=settings.units, options=settings.options, loop=loop,
-                 verify=settings.verify, head=head, **settings.solver_params)
+    profiling = settings.profiling.replace(
+        loop=loop, optimizer=optimizer if settings.include_optimizer else None, head=head,
+        loss_fn=loss_fn if loss_fn is not None else settings.profiling.loss_fn)
+    return solve_with(model, batch, settings.memory_budget, profiling, method=settings.method,
+                      verify=settings.verify, solver_params=settings.solver_params)

@@ -50,6 +50,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from remat.core.loop import Loop
+from remat.core.settings import ProfilingSettings, Verify, verify_setting
 from remat.integrations.common import CallbackSettings, IntegrationError, RunReport, solve_plan
 from remat.measurement.step_meter import StepMeter, unwrap_optimizer
 
@@ -123,7 +124,8 @@ class RematCallback(TrainerCallback):
         loss_fn: ``loss_fn(output, batch)``; default the output's ``.loss``, which the
             Trainer uses too when the batch has ``labels``.
         units, options: as for :func:`remat.profile`.
-        verify: let :func:`remat.solve` measure its plan (and re-solve when over).
+        verify: let :func:`remat.solve` measure its plan (and re-solve when over):
+            ``True``, ``False`` or ``remat.Verify(rounds=..., steps=...)``.
         include_optimizer: count the Trainer's optimizer (its state and step).
         measure_step: the optimizer step (0-based) of the Trainer to measure; ``None``
             measures none.
@@ -142,13 +144,15 @@ class RematCallback(TrainerCallback):
         loss_fn: Any = None,
         units: Any = None,
         options: Any = None,
-        verify: bool = True,
+        verify: bool | Verify = True,
         include_optimizer: bool = True,
         measure_step: int | None = 1,
         **solver_params: Any,
     ) -> None:
-        self.settings = CallbackSettings(memory_budget, method, loss_fn, units, options, verify,
-                                         include_optimizer, measure_step, dict(solver_params))
+        self.settings = CallbackSettings(
+            memory_budget, method, ProfilingSettings(loss_fn=loss_fn, units=units, options=options),
+            verify_setting(verify, owner="RematCallback"), include_optimizer, measure_step,
+            dict(solver_params))
         self.report: RunReport | None = None
         self._meter: StepMeter | None = None
 

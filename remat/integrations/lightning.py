@@ -43,6 +43,7 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from remat.core.loop import Loop
+from remat.core.settings import ProfilingSettings, Verify, verify_setting
 from remat.integrations.common import CallbackSettings, IntegrationError, RunReport, solve_plan
 from remat.measurement.step_meter import StepMeter, unwrap_optimizer
 
@@ -139,7 +140,7 @@ class RematCallback(Callback):
         method: str = "optimal",
         units: Any = None,
         options: Any = None,
-        verify: bool = True,
+        verify: bool | Verify = True,
         include_optimizer: bool = True,
         measure_step: int | None = 1,
         **solver_params: Any,
@@ -147,8 +148,10 @@ class RematCallback(Callback):
         if step is not None and not callable(step):
             raise IntegrationError(f"RematCallback(step={step!r}): need a callable "
                                    "step(module, batch) -> loss")
-        self.settings = CallbackSettings(memory_budget, method, None, units, options, verify,
-                                         include_optimizer, measure_step, dict(solver_params))
+        self.settings = CallbackSettings(
+            memory_budget, method, ProfilingSettings(units=units, options=options),
+            verify_setting(verify, owner="RematCallback"), include_optimizer, measure_step,
+            dict(solver_params))
         self.step = step or _default_step
         self.batch = batch
         self.report: RunReport | None = None

@@ -20,6 +20,17 @@ both views can be compared (:mod:`remat.measurement.allocator` gives the allocat
 CPU too). One tensor made outside the dispatcher it does count: the CPU RNG state
 that ``torch.utils.checkpoint`` stashes per region (``torch.get_rng_state()``,
 about 5 KB), by wrapping that function while the meter is active.
+
+Nor does the dispatcher see a storage resized in place (``UntypedStorage.resize_``):
+that is how FSDP frees a unit's all-gathered parameters after its forward or backward
+(``resize_(0)``) and allocates them again for the next use, keeping the same storage
+objects for the whole run. Counted by allocation alone, every gathered parameter would
+stay live from its first gather to the end (the whole model's parameters, unsharded), or
+never count at all where the storage was made before the region. So while a meter is
+active ``UntypedStorage.resize_`` is wrapped (:func:`_metered_resize`): a counted
+storage's new size is counted at once, a storage from before the region that grows in
+it from empty is counted from then on (as a new allocation), and one from before the
+region that shrinks is not subtracted, as for any storage freed that predates it.
 """
 
 from __future__ import annotations
@@ -33,6 +44,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["MemoryMeter", "MeterMark", "returns_alias"]
+
+_active: list[MemoryMeter] = []  # meters entered and not exited, innermost last
+_unwrapped_resize = torch.UntypedStorage.resize_
+
+
+def _metered_resize(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+    """``UntypedStorage.resize_`` while a meter is active: each active meter hears of the
+    resize (before it, so a simulated device can refuse it; after it, to count it)."""
+    before = storage.nbytes()
+    for meter in list(_active):
+        meter._resizing(storage, before, int(size))
+    out = _unwrapped_resize(storage, size)
+    for meter in list(_active):
+        meter._resized(storage, before)
+    return out
 
 
 @dataclass(frozen=True)
@@ -137,12 +163,19 @@ class MemoryMeter(TorchDispatchMode):
             self._cuda_start = torch.cuda.memory_allocated()
         self._get_rng_state = torch.get_rng_state
         torch.get_rng_state = self._tracked_rng_state
+        if not _active:
+            torch.UntypedStorage.resize_ = _metered_resize  # type: ignore[method-assign]
+        _active.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         if self._cuda_start is not None:
             torch.cuda.synchronize()
         torch.get_rng_state = self._get_rng_state
+        if self in _active:
+            _active.remove(self)
+        if not _active:
+            torch.UntypedStorage.resize_ = _unwrapped_resize  # type: ignore[method-assign]
         super().__exit__(*exc)
 
     def _tracked_rng_state(self) -> torch.Tensor:
@@ -183,6 +216,35 @@ class MemoryMeter(TorchDispatchMode):
                 self._sizes[key] = nbytes
                 self._refs[key] = weakref.ref(st, lambda _ref, k=key: self._release(k))
                 self._live += nbytes
+            if self._live > self._peak_since_mark:
+                self._peak_since_mark = self._live
+            if self._live > self._overall_peak:
+                self._overall_peak = self._live
+
+    def _counts_device(self, device: torch.device) -> bool:
+        return device.type != "meta" and (self.device_type is None
+                                          or device.type == self.device_type)
+
+    def _resizing(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
+        """Called before ``storage`` is resized in place from ``before`` to ``after`` bytes
+        (a hook for :class:`~remat.measurement.simulated_device.SimulatedDevice`)."""
+
+    def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """Count ``storage``'s in-place resize from ``before`` bytes (module docstring)."""
+        if not self._counts_device(storage.device):
+            return
+        key = id(storage)
+        nbytes = storage.nbytes()
+        with self._lock:
+            if key in self._sizes:
+                self._live += nbytes - self._sizes[key]
+                self._sizes[key] = nbytes
+            elif before == 0 and nbytes > 0:  # freed before the region, allocated in it
+                self._sizes[key] = nbytes
+                self._refs[key] = weakref.ref(storage, lambda _ref, k=key: self._release(k))
+                self._live += nbytes
+            else:
+                return
             if self._live > self._peak_since_mark:
                 self._peak_since_mark = self._live
             if self._live > self._overall_peak:

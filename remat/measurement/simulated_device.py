@@ -72,5 +72,22 @@ class SimulatedDevice(MemoryMeter):
                     f"with {format_bytes(self.used_bytes)} of {format_bytes(capacity)} in use")
         super()._track(t, aliased=aliased)
 
+    def _resizing(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
+        """Refuse an in-place growth (FSDP gathering a unit's parameters again into their
+        freed storage) that takes the total above the capacity, before it happens."""
+        if making_host_copies() or self.capacity_bytes is None or after <= before \
+                or not self._counts_device(storage.device):
+            return
+        counted = self._sizes.get(id(storage))
+        if counted is None and before != 0:
+            return  # memory from before the region: not counted (MemoryMeter)
+        grows = after - (counted if counted is not None else 0)
+        if self.used_bytes + grows > self.capacity_bytes:
+            self.out_of_memory += 1
+            raise torch.OutOfMemoryError(
+                f"simulated device out of memory: tried to allocate {format_bytes(grows)} "
+                f"with {format_bytes(self.used_bytes)} of {format_bytes(self.capacity_bytes)} "
+                "in use")
+
     def _counts(self, t: torch.Tensor) -> bool:
         return self.device_type is None or t.device.type == self.device_type

@@ -21,11 +21,14 @@ profile); any change to it measures anew:
   dot-product attention kernels), the default dtype, deterministic algorithms and the
   number of intra-op threads (oneDNN keeps scratch per thread);
 * the batch's structure and its tensors' shapes, dtypes and devices;
-* every profiling setting, as one tuple (:func:`settings_key`: the loss function and
-  the optimizer by identity, whether the optimizer has state yet, the loop, the units,
-  the options, the granularity, the head, ``warmup``, ``tolerance``, ``pool_twins``...),
-  each at its default where it is not given. A profile timed with fewer ``repeats`` than
-  asked for is not reused; ``progress`` changes no figure and is not in the key.
+* every profiling setting, as one tuple (:func:`settings_key`, built from every field
+  of the one :class:`~remat.core.settings.ProfilingSettings` value, so a setting added
+  there is in the key: the loss function and the optimizer by identity, whether the
+  optimizer has state yet, the loop, the units, the options, the granularity, the head,
+  ``warmup``, ``tolerance``, ``pool_twins``...), each at its default where it is not
+  given. A profile timed with fewer ``repeats`` than asked for is not reused;
+  ``progress`` changes no figure and is not in the key
+  (:data:`~remat.core.settings.UNKEYED`).
 
 What the key cannot see: globals and other objects the forward or the loss reads
 (a module-level flag, a function the forward calls replaced in its module), objects
@@ -45,22 +48,21 @@ as the loss function and the optimizer, are held).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
-import inspect
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from remat.core.profile import Profile
+from remat.core.settings import UNKEYED, ProfilingSettings
 
 __all__ = ["Lookup", "cached_profile", "forget_profiles", "note_prediction_off", "note_restored",
            "settings_key"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
-# Settings that change no figure of a profile (repeats is compared apart: more is fine).
-_UNKEYED = frozenset({"progress", "repeats"})
 # Nested values deeper than this are keyed by identity (and a cycle cannot recurse).
 _MAX_DEPTH = 6
 
@@ -92,19 +94,18 @@ def forget_profiles() -> None:
 
 
 def cached_profile(model: Any, batch: Any, make: Callable[[], Profile], *,
-                   settings: Mapping[str, Any], fresh: bool = False) -> Lookup:
-    """The profile of ``model`` on ``batch`` for ``settings`` (``profile_levels``'s keyword
-    arguments): the cached one when every part of the key is unchanged (see the module
-    docstring), else ``make()``'s, kept. ``fresh``: make it whatever the cache holds."""
+                   settings: ProfilingSettings, fresh: bool = False) -> Lookup:
+    """The profile of ``model`` on ``batch`` for ``settings``: the cached one when every
+    part of the key is unchanged (see the module docstring), else ``make()``'s, kept.
+    ``fresh``: make it whatever the cache holds."""
     try:
         known = _cache.get(model)
     except TypeError:  # not weakly referenceable: no cache
         return Lookup(make(), False)
     key = (settings_key(settings), _batch_key(batch), _model_key(model), _backends_key())
-    repeats = settings.get("repeats", _defaults()["repeats"])
     if (not fresh and known is not None and known.key == key
             and known.versions == _buffer_versions(model)
-            and known.profile.meta.get("repeats", 0) >= repeats):
+            and known.profile.meta.get("repeats", 0) >= settings.repeats):
         return Lookup(known.profile, not known.prediction_off)
     profile = make()
     # The versions after profiling: restoring the buffers it ran moved their counters.
@@ -137,22 +138,12 @@ def note_prediction_off(model: Any, profile: Profile) -> None:
 
 
 # --------------------------------------------------------------------- the settings
-@functools.cache
-def _defaults() -> dict[str, Any]:
-    """``profile_levels``'s keyword arguments and their defaults: a setting not given is
-    keyed at its default, so passing the default measures nothing anew."""
-    from remat.profiler import profile_levels
-
-    return {name: p.default for name, p in inspect.signature(profile_levels).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def settings_key(settings: Mapping[str, Any]) -> tuple[tuple[str, Hashable], ...]:
+def settings_key(settings: ProfilingSettings) -> tuple[tuple[str, Hashable], ...]:
     """Every profiling setting that changes a figure, as one tuple of ``(name, value)``:
-    settings added to the profiler enter the key without a change here."""
-    full = {**_defaults(), **settings}
-    return tuple((name, _setting(name, value)) for name, value in sorted(full.items())
-                 if name not in _UNKEYED)
+    read from the value's fields, so a setting added to :class:`ProfilingSettings` enters
+    the key without a change here (all but :data:`~remat.core.settings.UNKEYED`)."""
+    return tuple((f.name, _setting(f.name, getattr(settings, f.name)))
+                 for f in dataclasses.fields(settings) if f.name not in UNKEYED)
 
 
 def _setting(name: str, value: Any) -> Hashable:

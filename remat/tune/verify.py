@@ -31,6 +31,7 @@ from remat.core.bytesize import format_bytes
 from remat.core.errors import InfeasibleBudgetError, RematError
 from remat.core.loop import Loop
 from remat.core.plan import Plan, Verification
+from remat.core.settings import Verify
 from remat.measurement.runner import LossFn
 from remat.measurement.step import StepMeasurement, measure_step
 from remat.runtime import apply_plan, remove_plan
@@ -40,7 +41,7 @@ __all__ = ["PREDICTION_TOLERANCE", "BudgetNotMetError", "measure_plan", "off_pre
 
 log = logging.getLogger("remat")
 
-DEFAULT_ROUNDS = 3
+DEFAULT_ROUNDS = Verify().rounds
 # How far a measured step may be from its prediction, as a share of the prediction: what
 # the tests hold simulate() to against the higher of the two instruments (1%).
 PREDICTION_TOLERANCE = 0.01
@@ -59,6 +60,7 @@ def measure_plan(
     optimizer: torch.optim.Optimizer | None,
     loop: Loop | None,
     steps: int = 1,
+    timed: bool = False,
 ) -> StepMeasurement:
     """``steps`` consecutive optimizer steps of ``loop`` with ``plan`` applied, measured
     with both instruments (the peak over all of them); the model is left as it was (plan
@@ -66,9 +68,9 @@ def measure_plan(
     apply_plan(model, plan)
     try:
         # No warm-up: the first measured step creates the optimizer's state, as training's
-        # first step does (its peak counts); one timed step for the time.
+        # first step does (its peak counts); with ``timed``, one more step for the time.
         return measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
-                            warmup=0, repeats=1, allocator=True, steps=steps)
+                            warmup=0, repeats=1 if timed else 0, allocator=True, steps=steps)
     finally:
         remove_plan(model)
 
@@ -104,7 +106,8 @@ def verified(
         BudgetNotMetError: ``rounds`` plans all measured above the budget.
     """
     if rounds < 1:
-        raise RematError(f"verify_rounds={rounds!r}: need at least 1 (or verify=False)")
+        raise RematError(f"rounds={rounds!r}: need at least 1 (remat.Verify(rounds=...), or "
+                         "verify=False)")
     target = budget_bytes
     for round_ in range(1, rounds + 1):
         try:
@@ -146,5 +149,5 @@ def verified(
     raise BudgetNotMetError(
         f"memory_budget={format_bytes(budget_bytes)}: {rounds} plans, each solved for a lower "
         f"budget than the last, all measured above it (the last {format_bytes(peak)}); raise "
-        "the budget, or pass verify_rounds= more rounds"
+        "the budget, or verify=remat.Verify(rounds=...) more rounds"
     )

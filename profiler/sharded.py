@@ -1,0 +1,108 @@
+"""One rank's step of a model sharded with FSDP2, from the profile of that rank's passes.
+
+``profile()`` runs on a ``fully_shard``-ed model as it is, on every rank at once, and
+gathers nothing FSDP2 would not: the capture pass calls the model, so FSDP2's own
+pre-forward hook all-gathers each unit before remat's hook replays it, and its
+post-forward hook reshards it after (the replays run inside that window, on the
+unit's gathered parameters, and call the unit's ``forward`` itself, so FSDP2's hooks
+do not run again); the parameter snapshots are of the DTensor parameters, whose
+storage is this rank's local shard. Every rank runs the same passes in the same order,
+so the collectives of FSDP2's hooks match.
+
+What the passes measure of the units is each rank's activations on its own
+micro-batch; what they cannot see is FSDP2's own memory around each unit, which the
+replays run outside of: :func:`sharded_profile` adds it, with the exact sizes read off
+the model (:mod:`remat.execute.sharding`):
+
+* a unit's gradients stay as this rank's shard after its reduce-scatter (the replays'
+  unsharded gradients are in their backward's peak, and so counted while they live);
+* its forward holds its gathered parameters (to its backward, where it does not
+  reshard after the forward); its backward holds them gathered again, their
+  reduce-scatter copy, the previous unit's prefetched parameters and the next unit's
+  reduce-scatter buffer not yet reclaimed;
+* :data:`IN_FLIGHT` units' gathered parameters are counted alive through the forward
+  and the backward: FSDP2's asynchronous collectives let buffers of other units
+  outlive the hooks that made them, by a varying amount from step to step. One unit
+  covered every run on a quiet machine; on a loaded one (the test suite beside other
+  work, 2026-11-25) steps measured one unit more than that, 200 KB over the prediction
+  and 0.5% over a budget at the smallest feasible peak, so two are counted: a promise
+  must hold when the machine is busy too.
+
+The outside figures (the root's code: embeddings, the head) are measured as they ran,
+under the root's FSDP2 state. FSDP2 frees a unit's gathered parameters by resizing their
+storage to 0 and gathers them again into the same storage, which no dispatch-level
+meter saw: counted by allocation alone they stayed live from their first gather on (the
+outside step's prefix once "held" the whole model's parameters, unsharded, 0.85 MB on
+the 4-block GPT where the unsharded model's prefix held 512 B). The meter now counts
+those resizes (:mod:`remat.measurement.meter`), and the allocator's view closes the
+frees the CPU profiler did not record on gloo's threads
+(:func:`remat.measurement.allocator.unrecorded_frees_closed`), which made one step's
+measured peak vary by up to 3 units' parameters from run to run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from remat.core.errors import ProfileError
+from remat.core.profile import OptionCost, Profile
+from remat.execute.sharding import ShardedUnit, sharded_unit, world_size
+
+__all__ = ["IN_FLIGHT", "sharded_profile"]
+
+IN_FLIGHT = 2  # units' gathered parameters counted in flight throughout (module docstring)
+
+
+def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
+    """``profile`` (measured on this rank of the sharded ``model``) as this rank's step,
+    FSDP2's buffers included (see the module docstring).
+
+    Raises:
+        ProfileError: a unit of ``profile`` is not a submodule of ``model``.
+    """
+    world = world_size(model)
+    try:
+        figures = [sharded_unit(model.get_submodule(u.name)) for u in profile.units]
+    except AttributeError as err:
+        raise ProfileError(f"the profile's units are not the model's: {err}") from None
+    gathered = [f.gathered_bytes for f in figures]
+    in_flight = IN_FLIGHT * max(gathered, default=0)
+    # The root's own parameters (embeddings, the head: in no unit) are gathered by its
+    # pre-forward, which runs before the outside step's first mark, and stay gathered to
+    # its post-forward, which encloses the whole forward; its pre-backward, at the start
+    # of the backward, gathers them again until its post-backward at the end. So they are
+    # held through the step whether it reshards after its forward or not.
+    root = max(sharded_unit(model).gathered_bytes - sum(gathered), 0)
+    units = [dataclasses.replace(
+        unit, options={name: _with_fsdp(cost, figures, i) for name, cost in unit.options.items()},
+        param_grad_bytes=figures[i].shard_bytes)
+        for i, unit in enumerate(profile.units)]
+    prefix = dataclasses.replace(
+        profile.prefix,
+        held_bytes=profile.prefix.held_bytes + in_flight + root,
+        fwd_peak_bytes=profile.prefix.fwd_peak_bytes + in_flight + root)
+    meta = {**profile.meta, "fsdp_world_size": world, "fsdp_per_rank": True,
+            "fsdp_gathered_bytes": gathered, "fsdp_root_gathered_bytes": root}
+    return dataclasses.replace(profile, units=tuple(units), prefix=prefix, meta=meta)
+
+
+def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int) -> OptionCost:
+    """One option's cost of unit ``i`` with FSDP2's buffers around it."""
+    own = figures[i]
+    prefetched = figures[i - 1].gathered_bytes if i > 0 else 0
+    lingering = figures[i + 1].gathered_bytes if i + 1 < len(figures) else 0
+    gathered = own.gathered_bytes
+    if own.reshard_after_forward:
+        # Gathered for the forward, gathered again for the backward (with its
+        # reduce-scatter copy, the prefetch, the unreclaimed buffer after it).
+        return dataclasses.replace(
+            cost, fwd_peak_bytes=cost.fwd_peak_bytes + gathered,
+            bwd_peak_bytes=cost.bwd_peak_bytes + 2 * gathered
+            + prefetched + lingering)
+    # Kept gathered from the forward to the end of the backward: held, not re-gathered.
+    return dataclasses.replace(
+        cost, held_bytes=cost.held_bytes + gathered,
+        fwd_peak_bytes=cost.fwd_peak_bytes + gathered,
+        bwd_peak_bytes=cost.bwd_peak_bytes + gathered + lingering)

@@ -1,0 +1,301 @@
+"""``remat.solve`` on a model sharded with FSDP2, run collectively on every rank.
+
+Every rank of the process group calls ``remat.solve(model, batch, memory_budget=...)``
+on its ``fully_shard``-ed model. The ranks then:
+
+1. **agree** (:func:`agree`): a barrier with a timeout (gloo: ``monitored_barrier``,
+   which names the rank that did not come), then each rank's description of the call
+   (the model's parameters' names, shapes and dtypes, the batch's shapes, the budget,
+   the loop, the method and settings, the world size) gathered on every rank; a rank
+   whose call differs from rank 0's is a :class:`~remat.core.errors.RematError` on
+   every rank that names it and what differs. Without this a rank with another batch
+   shape would issue other collectives than the rest, and the job would hang;
+2. **profile** their own micro-batch, all running the same passes in the same order
+   (so FSDP2's collectives match; :mod:`remat.profiler.sharded` says why no pass gathers
+   more than FSDP2 itself), and turn it into their rank's step
+   (:func:`~remat.profiler.sharded.sharded_profile`);
+3. **take the worst rank**: the profiles are gathered and merged figure by figure
+   (the largest of each: :func:`worst_profile`), so one plan covers every rank, and
+   every rank solves that one profile;
+4. **verify** (with a budget): each rank measures the plan's real sharded step; the
+   highest measured peak over the ranks decides, on every rank alike, whether to solve
+   again for less (:func:`remat.tune.verify.verified`);
+5. **broadcast** rank 0's plan (its JSON), so every rank applies the same plan even
+   where two plans time within noise. The plan records the world size
+   (``Plan.target.world_size``): ``apply_plan`` refuses it under another.
+
+The budget is per rank: the peak of one rank's training step, everything on it included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core.errors import RematError
+from remat.core.loop import Loop
+from remat.core.plan import Plan
+from remat.core.profile import UNIT_TYPE_COUNTS, Profile
+from remat.execute.sharding import is_sharded, world_size
+from remat.measurement.step import StepMeasurement
+
+__all__ = ["AGREE_TIMEOUT_S", "agree", "is_sharded", "profile_sharded", "solve_sharded",
+           "worst_profile"]
+
+log = logging.getLogger("remat")
+
+AGREE_TIMEOUT_S = 120.0  # how long a rank waits for the others to call solve() too
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RematError(
+            "remat.solve() got a model sharded with fully_shard but no initialised process "
+            "group: call it on every rank after torch.distributed.init_process_group()")
+    return dist
+
+
+def _shapes(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    leaves, _ = tree_flatten_with_path(batch)
+    return [(keystr(path), tuple(t.shape), str(t.dtype)) for path, t in leaves
+            if isinstance(t, torch.Tensor)]
+
+
+def _model_signature(model: nn.Module) -> str:
+    """A hash of the model's class, its parameters' names, global shapes and dtypes."""
+    h = hashlib.sha256(type(model).__name__.encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    return h.hexdigest()[:16]
+
+
+def call_description(model: nn.Module, batch: Any, budget: Any, *, loop: Loop | None,
+                     settings: Mapping[str, Any]) -> dict[str, Any]:
+    """What every rank's call must agree on, as plain values (compared across ranks)."""
+    return {
+        "world size": world_size(model),
+        "model": _model_signature(model),
+        "batch shapes": _shapes(batch),
+        "memory_budget": budget,
+        "loop": None if loop is None else loop.to_dict(),
+        **{k: repr(v) for k, v in sorted(settings.items())},
+    }
+
+
+def agree(description: Mapping[str, Any], *, timeout_s: float = AGREE_TIMEOUT_S,
+          group: Any = None) -> None:
+    """Check that every rank of ``group`` calls with the same ``description``.
+
+    Raises:
+        RematError: a rank did not arrive within ``timeout_s`` (the barrier's error
+            names it where the backend can: gloo), or its description differs from rank
+            0's (the message names the rank and the fields, with both values); raised on
+            every rank alike, so none goes on into collectives the others skip.
+    """
+    dist = _dist()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if dist.get_backend(group) == "gloo":
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+        else:
+            dist.barrier(group=group)
+    except RuntimeError as err:
+        raise RematError(
+            f"remat.solve() on a sharded model runs on every rank at once, and not every rank "
+            f"called it within {timeout_s:.0f} s: {' '.join(str(err).split())[:400]}") from None
+    found: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, dict(description), group=group)
+    reference = found[0]
+    for rank, other in enumerate(found[1:], start=1):
+        differs = [k for k in reference if reference.get(k) != other.get(k)]
+        if differs:
+            what = "; ".join(f"{k}: rank 0 has {reference.get(k)!r}, rank {rank} has "
+                             f"{other.get(k)!r}" for k in differs[:4])
+            raise RematError(
+                f"remat.solve() on a sharded model needs the same call on every rank, and rank "
+                f"{rank} differs from rank 0 in {', '.join(differs)} ({what}); the ranks "
+                f"would run different collectives (and hang): pass every rank the same model, "
+                f"batch shapes, budget and loop")
+
+
+def _worst(values: Sequence[Any]) -> Any:
+    """The largest of each figure across ranks' values of one field (see worst_profile)."""
+    first = values[0]
+    if isinstance(first, bool):
+        return any(bool(v) for v in values)  # holds more: the conservative side
+    if isinstance(first, (int, float)):
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return max(values)
+        return first
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        if not all(type(v) is type(first) for v in values):
+            return first
+        merged = {f.name: _worst([getattr(v, f.name) for v in values])
+                  for f in dataclasses.fields(first) if f.init and f.name != "meta"}
+        return dataclasses.replace(first, **merged)
+    if isinstance(first, Mapping):
+        if not all(isinstance(v, Mapping) and v.keys() == first.keys() for v in values):
+            return first
+        return {k: _worst([v[k] for v in values]) for k in first}
+    if isinstance(first, (tuple, list)):
+        if not all(isinstance(v, (tuple, list)) and len(v) == len(first) for v in values):
+            return first
+        return type(first)(_worst(column) for column in zip(*values))
+    return first
+
+
+def worst_profile(profiles: Sequence[Profile]) -> Profile:
+    """One profile whose every byte and time figure is the largest of ``profiles``' (each
+    rank's step): a plan within a budget for it is within it on every rank. Names, the
+    loop and ``meta`` are the first profile's."""
+    if len(profiles) == 1:
+        return profiles[0]
+    merged = _worst(list(profiles))
+    return dataclasses.replace(merged, meta=dict(profiles[0].meta), loop=profiles[0].loop)
+
+
+def _gather_profiles(prof: Profile, group: Any) -> list[Profile]:
+    dist = _dist()
+    found: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, prof.to_json(), group=group)
+    return [Profile.from_json(text) for text in found]
+
+
+def _broadcast(plan: Plan, group: Any) -> Plan:
+    dist = _dist()
+    box = [plan.to_json() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return Plan.from_json(box[0])
+
+
+def _max_over_ranks(value: int, group: Any) -> int:
+    dist = _dist()
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def profile_sharded(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    memory_budget: Any = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    optimizer: Any = None,
+    units: Any = None,
+    options: Sequence[str] | None = None,
+    loop: Loop | None = None,
+    granularity: str = "blocks",
+    head: str = "auto",
+    timeout_s: float = AGREE_TIMEOUT_S,
+    group: Any = None,
+    settings: Mapping[str, Any] | None = None,
+) -> Profile:
+    """The worst rank's step of the sharded ``model``, the same profile on every rank
+    (steps 1 to 3 of the module docstring): what ``remat.profile`` returns on a sharded
+    model, and what ``solve`` plans. Every rank must call it (a collective).
+
+    Raises:
+        RematError: no process group, ranks that disagree or do not all call, or
+            ``granularity`` other than ``"blocks"`` (each ``fully_shard``-ed block a unit).
+    """
+    from remat.execute.structure import unit_type_counts
+    from remat.profiler import profile_levels
+    from remat.profiler.sharded import sharded_profile
+
+    if granularity != "blocks":
+        raise RematError(f"granularity={granularity!r} on a sharded model: only 'blocks' (each "
+                         "fully_shard-ed block a unit) is supported there")
+    described = {"units": units, "options": options, "head": head,
+                 "optimizer": type(optimizer).__name__,
+                 "loss_fn": getattr(loss_fn, "__qualname__", loss_fn), **(settings or {})}
+    agree(call_description(model, sample_batch, memory_budget, loop=loop,
+                           settings=described), timeout_s=timeout_s, group=group)
+    local, _ = profile_levels(model, sample_batch, loss_fn=loss_fn, units=units,
+                              optimizer=optimizer, options=options, loop=loop,
+                              granularity="blocks", head=head, progress=False,
+                              # Every rank runs every timed run: stopping early on
+                              # one rank's timings would skip collectives others run.
+                              tolerance=0.0)
+    counts = unit_type_counts(model, (u.type_name for u in local.units),
+                              [u.name for u in local.units])
+    sharded = sharded_profile(local, model)
+    local = dataclasses.replace(sharded, meta={**sharded.meta, UNIT_TYPE_COUNTS: counts})
+    return worst_profile(_gather_profiles(local, group))
+
+
+def solve_sharded(
+    model: nn.Module,
+    sample_batch: Any,
+    memory_budget: Any,
+    *,
+    method: str = "optimal",
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    optimizer: Any = None,
+    units: Any = None,
+    options: Sequence[str] | None = None,
+    loop: Loop | None = None,
+    granularity: str = "blocks",
+    head: str = "auto",
+    verify: bool = True,
+    verify_rounds: int = 3,
+    verify_steps: int = 1,
+    solver_params: Mapping[str, Any] | None = None,
+    timeout_s: float = AGREE_TIMEOUT_S,
+    group: Any = None,
+) -> Plan:
+    """The plan for one rank's step of the sharded ``model``, the same on every rank (see
+    the module docstring); ``remat.solve``'s arguments, already checked by it.
+
+    Raises:
+        RematError: no process group, ranks that disagree or do not all call, or a setting
+            this route does not support (``granularity`` other than ``"blocks"``).
+        InfeasibleBudgetError: no plan fits the budget on the worst rank.
+    """
+    from remat.solver.solve import solve_profile
+    from remat.tune.ambient import planning
+    from remat.tune.verify import measure_plan, verified
+
+    solver_params = dict(solver_params or {})
+    settings = {"method": method, "units": units, "options": options, "head": head,
+                "verify": verify, "optimizer": type(optimizer).__name__,
+                "loss_fn": getattr(loss_fn, "__qualname__", loss_fn), **solver_params}
+    with planning(model, loop, "solve()") as loop:
+        prof = profile_sharded(model, sample_batch, memory_budget=memory_budget,
+                               loss_fn=loss_fn, optimizer=optimizer, units=units,
+                               options=options, loop=loop, granularity=granularity, head=head,
+                               timeout_s=timeout_s, group=group, settings=settings)
+        world = world_size(model)
+
+        def solve_at(budget: Any) -> Plan:
+            plan = solve_profile(prof, budget, method=method, head=head, **solver_params)
+            return plan.with_(target=dataclasses.replace(plan.target, world_size=world))
+
+        plan = solve_at(memory_budget)
+        if verify and plan.budget_bytes is not None:
+            def measure(candidate: Plan) -> StepMeasurement:
+                measured = measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
+                                        optimizer=optimizer, loop=prof.loop, steps=verify_steps)
+                worst = _max_over_ranks(measured.worst_peak_bytes, group)
+                log.info("remat: rank's measured peak %d B, worst rank's %d B",
+                         measured.worst_peak_bytes, worst)
+                return dataclasses.replace(measured, peak_bytes=worst,
+                                           allocator_peak_bytes=worst)
+
+            budget_bytes = plan.budget_bytes
+            plan = verified(plan, budget_bytes,
+                            lambda target: solve_at(target).with_(budget_bytes=budget_bytes),
+                            measure, rounds=verify_rounds)
+    return _broadcast(plan, group)
+
