@@ -1,4 +1,6 @@
-"""One rank's step of a model sharded with FSDP2, from the profile of that rank's passes.
+"""A tool of :mod:`remat.tune.sharded`, after the passes of :mod:`.profile`.
+
+One rank's step of a model sharded with FSDP2, from the profile of that rank's passes.
 
 ``profile()`` runs on a ``fully_shard``-ed model as it is, on every rank at once, and
 gathers nothing FSDP2 would not: the capture pass calls the model, so FSDP2's own
