@@ -385,8 +385,13 @@ class SegmentRunner:
         """Run unit ``index`` on ``x`` after :meth:`expects_quiet` said yes."""
         seg = self._open
         assert seg is not None  # expects_quiet checked it
+        return self._ran(seg, index, lambda: seg.run_quiet(index, forward, x))
+
+    def _ran(self, seg: _OpenSegment, index: int, run: Callable[[], Any]) -> Any:
+        """``run()`` (unit ``index`` inside ``seg``), its output noted; the segment is no
+        longer open once it finishes or anything raises."""
         try:
-            output = seg.run_quiet(index, forward, x)
+            output = run()
             finished = seg.unit_returned(index, output)
         except BaseException:
             self._open = None
@@ -428,15 +433,7 @@ class SegmentRunner:
             slot, first_input = self._segment_input(index, args, kwargs)
             seg = self._open = _OpenSegment(bounds, self.names, self._context_fn(bounds),
                                             first_input, self.links)
-        try:
-            output = seg.run(index, forward, args, kwargs, slot)
-            finished = seg.unit_returned(index, output)
-        except BaseException:
-            self._open = None
-            raise
-        if finished:
-            self._open = None
-        return output
+        return self._ran(seg, index, lambda: seg.run(index, forward, args, kwargs, slot))
 
     def _context_fn(self, bounds: tuple[int, int]) -> Callable[[], tuple[Any, Any]]:
         """The segment's eager checkpoint ``context_fn``, made once per plan.
