@@ -35,7 +35,7 @@ import remat  # noqa: E402
 import remat.execute.options as runtime_options  # noqa: E402
 import remat.runtime.segments as runtime_segments  # noqa: E402
 from remat import models  # noqa: E402
-from remat.core.bytesize import mib  # noqa: E402
+from remat.core import mib  # noqa: E402
 from remat.solver import min_peak_bytes  # noqa: E402
 
 LOOP = remat.Loop(autocast="bfloat16")

@@ -28,9 +28,11 @@ import torch  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
 
 from remat import models  # noqa: E402
-from remat.core.bytesize import format_bytes  # noqa: E402
-from remat.profiler import profile  # noqa: E402
-from remat.profiler.units import longest_list  # noqa: E402
+from remat.core import format_bytes  # noqa: E402
+from remat.profiler import (
+    longest_list,  # noqa: E402
+    profile,  # noqa: E402
+)
 from remat.solver import min_peak_bytes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -51,9 +51,9 @@ from _common import RESULTS, machine_line, markdown_table, write_result  # noqa:
 from torch import nn  # noqa: E402
 
 import remat  # noqa: E402
-from remat.core.bytesize import mib  # noqa: E402
+from remat.core import mib  # noqa: E402
 from remat.solver import min_peak_bytes_over_heads, solve_profile  # noqa: E402
-from remat.tune.remedies import checkpointing_only  # noqa: E402
+from remat.tune import checkpointing_only  # noqa: E402
 
 log = logging.getLogger("floor")
 

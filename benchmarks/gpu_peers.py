@@ -53,8 +53,8 @@ from gpu_predictions import (  # noqa: E402
 from torch import nn  # noqa: E402
 
 import remat  # noqa: E402
-from remat.core.bytesize import mib  # noqa: E402
-from remat.tune.compiled import measure_compiled  # noqa: E402
+from remat.core import mib  # noqa: E402
+from remat.tune import measure_compiled  # noqa: E402
 
 COLUMNS = ("model", "peer", "peak MiB", "reserved MiB", "ms", "remat plan at that peak",
            "remat peak MiB", "remat reserved MiB", "remat ms", "peer ms / remat ms")

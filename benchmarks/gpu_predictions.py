@@ -46,11 +46,13 @@ import torch  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
 
 import remat  # noqa: E402
-from remat.core.bytesize import mib  # noqa: E402
-from remat.measurement.simulated_device import SimulatedDevice  # noqa: E402
-from remat.measurement.storage import resident_bytes  # noqa: E402
+from remat.core import mib  # noqa: E402
+from remat.measurement import (
+    SimulatedDevice,  # noqa: E402
+    resident_bytes,  # noqa: E402
+)
 from remat.solver import min_peak_bytes_over_heads, no_checkpoint_peak_bytes  # noqa: E402
-from remat.tune.profile_cache import forget_profiles  # noqa: E402
+from remat.tune import forget_profiles  # noqa: E402
 
 COLUMNS = ("model", "budget", "plan", "pred MiB", "alloc MiB", "err % (alloc)",
            "reserved MiB", "reserved - alloc MiB", "reserved / budget", "pred ms", "meas ms",

@@ -26,10 +26,10 @@ import torch  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
 
 from remat import models  # noqa: E402
-from remat.core.bytesize import format_bytes  # noqa: E402
+from remat.core import format_bytes  # noqa: E402
 from remat.profiler import find_units, profile  # noqa: E402
 from remat.solver import pareto_frontier  # noqa: E402
-from remat.tune.granularity import level_scores  # noqa: E402
+from remat.tune import level_scores  # noqa: E402
 
 
 def _plot(frontiers: dict, path) -> None:  # noqa: ANN001

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
 from torch import nn  # noqa: E402
 
-from remat.execute.head import HeadSite, install_head, remove_head  # noqa: E402
+from remat.execute import HeadSite, install_head, remove_head  # noqa: E402
 
 log = logging.getLogger("head_numerics")
 SITE = HeadSite("lm_head", "causal-lm")

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
 
 import remat  # noqa: E402
-from remat.core.bytesize import mib  # noqa: E402
+from remat.core import mib  # noqa: E402
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

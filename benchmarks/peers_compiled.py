@@ -22,7 +22,7 @@ from torch import nn
 
 import remat
 from remat.models import ReferenceModel
-from remat.tune.compiled import measure_compiled, solve_compiled
+from remat.tune import measure_compiled, search_compiled
 
 REPO = str(Path(__file__).resolve().parent.parent)
 # measure_compiled times its steps only when the peak is within a bound: here, always.
@@ -113,7 +113,7 @@ def remat_compiled_row(ref: ReferenceModel, pristine: nn.Module, profile: remat.
                        budget: int, fraction: float, repeats: int) -> Row:
     """remat's plan for compiled training at ``fraction``, compiled and measured.
 
-    The plan comes from ``solve(..., compiled=True)`` (:func:`remat.tune.compiled.solve_compiled`):
+    The plan comes from ``solve(..., compiled=True)`` (:func:`remat.tune.search_compiled`):
     the fastest (frontier plan, inductor ``activation_memory_budget``) whose compiled
     step fits the budget. It is measured at that partitioner budget, as
     :func:`remat.tune.compiled.compile_planned` would compile it. A search that finds no
@@ -125,7 +125,7 @@ def remat_compiled_row(ref: ReferenceModel, pristine: nn.Module, profile: remat.
 
     try:
         t0 = time.perf_counter()
-        plan = solve_compiled(copy.deepcopy(pristine), ref.batch, profile, budget,
+        plan = search_compiled(copy.deepcopy(pristine), ref.batch, profile, budget,
                               loss_fn=ref.loss_fn)
         search_s = time.perf_counter() - t0
     except remat.InfeasibleBudgetError as exc:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from remat.core.bytesize import MIB, mib
+from remat.core import MIB, mib
 
 DEFAULT_MODELS = ("mlp", "cnn", "gpt", "hf-gpt2")
 DEFAULT_BUDGETS = (0.3, 0.5, 0.7)  # fractions of the no-checkpoint activation memory

@@ -18,7 +18,7 @@ from peers_data import (
     Row,
 )
 
-from remat.core.bytesize import MIB
+from remat.core import MIB
 
 MARKERS = {NONE: ("s", "tab:gray"), REMAT_OPTIMAL: ("*", "tab:blue"),
            REMAT_CHEN: ("P", "tab:cyan"), CHECKPOINT_SEQUENTIAL: ("o", "tab:red"),

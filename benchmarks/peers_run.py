@@ -54,13 +54,11 @@ from peers_variants import Variant, peer_variants, remat_variant
 from torch import nn
 
 import remat
-from remat.api import activation_budget
-from remat.measurement.runner import forward_loss, model_device
-from remat.measurement.state import clear_grads
-from remat.measurement.timing import Stopwatch
+from remat import activation_budget, solve_compiled
+from remat.measurement import Stopwatch, clear_grads, forward_loss, model_device
 from remat.models import ReferenceModel, build
 from remat.solver import no_checkpoint_peak_bytes
-from remat.tune.compiled import DEFAULT_PARTITIONER_BUDGETS, solve_compiled
+from remat.tune import DEFAULT_PARTITIONER_BUDGETS
 
 # Model sizes for the full run, tuned so that the whole run (4 models, 3 budgets,
 # 4 torch.compile compiles per model plus remat's compiled search) takes about

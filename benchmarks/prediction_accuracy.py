@@ -32,10 +32,10 @@ from _common import RESULTS, machine_line, markdown_table, write_result  # noqa:
 
 import remat  # noqa: E402
 from remat import models  # noqa: E402
-from remat.core.bytesize import mib  # noqa: E402
-from remat.measurement.runner import call_model, compute_loss  # noqa: E402
+from remat.core import mib  # noqa: E402
+from remat.measurement import call_model, compute_loss  # noqa: E402
 from remat.solver import min_peak_bytes_over_heads, no_checkpoint_peak_bytes  # noqa: E402
-from remat.tune.verify import measure_plan, verified  # noqa: E402
+from remat.tune import measure_plan, verified  # noqa: E402
 
 COLUMNS = ("case", "loop", "budget", "plan", "pred MiB", "disp MiB", "alloc MiB",
            "err % (alloc)", "fits", "verified", "pred ms", "meas ms", "loss Δ")

@@ -41,14 +41,16 @@ from torch import nn  # noqa: E402
 
 import remat  # noqa: E402
 from remat import models  # noqa: E402
-from remat.core.bytesize import mib  # noqa: E402
-from remat.measurement.runner import model_device  # noqa: E402
-from remat.measurement.simulated_device import SimulatedDevice  # noqa: E402
-from remat.measurement.state import clear_grads  # noqa: E402
-from remat.measurement.storage import resident_bytes  # noqa: E402
-from remat.measurement.timing import Stopwatch  # noqa: E402
+from remat.core import mib  # noqa: E402
+from remat.measurement import (
+    SimulatedDevice,  # noqa: E402
+    Stopwatch,  # noqa: E402
+    clear_grads,  # noqa: E402
+    model_device,  # noqa: E402
+    resident_bytes,  # noqa: E402
+)
 from remat.solver import min_peak_bytes_over_heads, no_checkpoint_peak_bytes  # noqa: E402
-from remat.tune.profile_cache import forget_profiles  # noqa: E402
+from remat.tune import forget_profiles  # noqa: E402
 
 
 @dataclass

@@ -25,8 +25,7 @@ from pathlib import Path
 from _common import RESULTS, machine_line, markdown_table, write_result
 
 from remat import Option, Plan, Profile, RematError
-from remat.core.bytesize import MIB, mib
-from remat.core.profile import OptionCost, OutsideCost, UnitProfile
+from remat.core import MIB, OptionCost, OutsideCost, UnitProfile, mib
 from remat.solver import min_peak_bytes, no_checkpoint_peak_bytes, solve_dp, solve_ilp
 
 log = logging.getLogger("solver_speed")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import remat
-from remat.core.errors import InfeasibleBudgetError
+from remat import InfeasibleBudgetError
 from remat.integrations.fsdp import measure_rank_step
 from remat.models import build
 

@@ -6,7 +6,7 @@ and what each variant changes in the profile.
 With every block checkpointed a language model's step peaks in its head and loss (the
 logits, their float32 copy and their gradient). remat can compute both over chunks of
 the tokens (:mod:`remat.execute.head`); whether it is worth it is the solver's decision
-(:mod:`remat.solver.heads`), made on what each chunk count measured. A variant changes
+(:mod:`remat.solver.head_choice`), made on what each chunk count measured. A variant changes
 only the code outside the units, so measuring one is two stub steps' worth of the
 outside code (:mod:`.outside_time`, :mod:`.instrument`), never the units.
 
@@ -18,7 +18,7 @@ loop that keeps it may read the logits after backward, which a chunked head comp
 then, outside the plan. ``head="chunked"`` is the user's allowance (the loop does not
 read the logits, whatever it keeps), and an error where no head is recognised or the
 check fails; ``head="none"`` never measures one. Which variant a plan takes is the
-solver's (exact first: :mod:`remat.solver.heads`).
+solver's (exact first: :mod:`remat.solver.head_choice`).
 """
 
 from __future__ import annotations

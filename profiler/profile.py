@@ -235,7 +235,7 @@ def profile_levels(
     """The profile at ``granularity`` and, for ``"auto"`` where the blocks are few (under
     8) or one holds half of their memory, the profile of the blocks' children too
     (``None`` otherwise): :func:`profile`'s arguments, for the caller to compare
-    (:mod:`remat.granularity` does, with the solver).
+    (:mod:`remat.tune.granularity` does, with the solver).
 
     ``variants_needed`` is not a setting but a budget's question, asked by
     ``remat.solve`` (the profiler knows no solver): given the profile with the head as it

@@ -25,6 +25,7 @@ from remat.solver.simulate import simulate
 # name -> (module, attribute)
 _LAZY = {
     "profile": ("remat.api", "profile"),
+    "activation_budget": ("remat.api", "activation_budget"),
     "measure": ("remat.measurement.step", "measure_step"),
     "apply_plan": ("remat.api", "apply_plan"),
     "remove_plan": ("remat.api", "remove_plan"),

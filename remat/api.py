@@ -274,7 +274,7 @@ def solve(
             the level with the better frontier): see :func:`remat.profile`. Called
             inside a ``torch.autocast`` without ``loop=``, the loop is
             ``Loop(autocast=<its dtype>)`` (logged); a ``loop=`` with another autocast
-            is refused (:mod:`remat.ambient`).
+            is refused (:mod:`remat.tune.ambient`).
         head: the output head and its loss computed over chunks of the tokens, so the
             whole logits never exist, is a decision the solver makes where the budget
             needs it (:mod:`remat.execute.head`). It changes how the loss is summed (not
@@ -510,7 +510,7 @@ def _solve_compiled(model: Any, sample_batch: Any, memory_budget: Any,
         prof = _profile(model, sample_batch, settings).profile
         # Like the eager search, within what the device can give (CUDA).
         budget_bytes = _within_device(prof, budget)
-        from remat.tune.compiled import solve_compiled as search
+        from remat.tune.compiled import search_compiled as search
 
         try:
             return search(model, sample_batch, prof, budget_bytes, method=method,

@@ -106,14 +106,8 @@ class _RematState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A model unpickled in a fresh process runs its segments eagerly there too.
+        # Nothing is filled in for a pickle of another remat version (docs/compatibility.md).
         self.__dict__.update(state)
-        # Pickled by a remat without these: probe again, no guard to remove.
-        self.__dict__.setdefault("writes_input", [None] * len(self.modules))
-        self.__dict__.setdefault("plan_guard_id", None)
-        self.__dict__.setdefault("output_watch_id", None)
-        self.__dict__.setdefault("first_unit_id", None)
-        self.__dict__.setdefault("runs_as", [None] * len(self.modules))
-        self.__dict__.setdefault("head_site", None)
         if self.runner is not None:
             _disable_compile_for_segments()
 

@@ -13,6 +13,9 @@ is checked by ``test_import_cost.py`` and ``solver/test_solver_import.py``.
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -343,3 +346,68 @@ def test_each_profiler_module_says_which_pass_it_is() -> None:
             assert first.startswith("A tool of "), (
                 f"{path.name} is in no pass that profile.py's docstring lists, and says it "
                 f"is no tool of several: {first!r}")
+
+
+# What lives outside the package (benchmarks, examples, the notebook) uses remat as a
+# user would: names a package's face offers (`remat`, `remat.solver`, `remat.tune`, ...:
+# its `__all__`), never a module inside a package, so modules can move behind the faces.
+# The integrations are faces module by module (`from remat.integrations.hf import ...`).
+# An ablation swaps a mechanism inside: listed here with why, so none slips in unseen.
+OUTSIDE = ("benchmarks", "examples", "notebooks")
+ABLATIONS = {
+    # runs checkpointed units with autocast's weight cache kept, to measure what
+    # dropping it saves: it swaps the context manager where the two callers hold it
+    "benchmarks/autocast_cache.py": {"remat.execute.options", "remat.runtime.segments"},
+}
+
+
+def _outside_sources() -> Iterator[tuple[str, str]]:
+    for folder in OUTSIDE:
+        for path in sorted((ROOT / folder).glob("*.py")):
+            yield str(path.relative_to(ROOT)), path.read_text()
+        for path in sorted((ROOT / folder).glob("*.ipynb")):
+            cells = json.loads(path.read_text())["cells"]
+            code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+            yield str(path.relative_to(ROOT)), code
+
+
+def _off_the_faces(where: str, source: str) -> list[str]:
+    """The imports of remat in ``source`` that are not a face's public names."""
+    wrong = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            wrong += [f"{where}: import {a.name}" for a in node.names
+                      if a.name.startswith("remat.") and not _is_face(a.name)
+                      and a.name not in ABLATIONS.get(where, ())]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("remat"):
+            if not _is_face(node.module):
+                wrong.append(f"{where}: from {node.module} import ...")
+                continue
+            offered = set(getattr(importlib.import_module(node.module), "__all__", ()))
+            wrong += [f"{where}: from {node.module} import {a.name} (not in its __all__)"
+                      for a in node.names if a.name not in offered
+                      and not _is_face(f"{node.module}.{a.name}")]
+    return wrong
+
+
+def _is_face(module: str) -> bool:
+    """Whether ``module`` is a package (an ``__init__``), not a module inside one, or an
+    integration."""
+    if module.startswith("remat.integrations."):
+        return True
+    spec = importlib.util.find_spec(module)
+    return spec is not None and spec.submodule_search_locations is not None
+
+
+def test_benchmarks_examples_and_the_notebook_use_public_names_only() -> None:
+    wrong = [line for where, source in _outside_sources()
+             for line in _off_the_faces(where, source)]
+    assert wrong == []
+
+
+def test_the_public_names_rule_catches_an_inner_module() -> None:
+    assert _off_the_faces("x.py", "from remat.tune.verify import measure_plan") == [
+        "x.py: from remat.tune.verify import ..."]
+    assert _off_the_faces("x.py", "from remat.tune import _NAMES") == [
+        "x.py: from remat.tune import _NAMES (not in its __all__)"]
+    assert _off_the_faces("x.py", "from remat import models\nimport remat.solver") == []

@@ -14,7 +14,7 @@ import remat
 from remat.core.errors import InfeasibleBudgetError, RematError
 from remat.core.plan import CompiledChoice
 from remat.solver.pareto import frontier_plans
-from remat.tune.compiled import CompiledStep, compile_planned, measure_compiled, solve_compiled
+from remat.tune.compiled import CompiledStep, compile_planned, measure_compiled, search_compiled
 
 sys.path.insert(0, str(Path(__file__).parent / "solver"))
 from solver_testlib import transformer_like  # noqa: E402
@@ -56,11 +56,11 @@ def test_search_finds_the_fastest_candidate_that_fits(prof: remat.Profile, facto
         calls: list = []
         if not fitting:
             with pytest.raises(InfeasibleBudgetError) as info:
-                solve_compiled(None, None, prof, budget, measure=_scaled(factor, calls),
+                search_compiled(None, None, prof, budget, measure=_scaled(factor, calls),
                                max_compiles=len(plans), partitioner_budgets=(1.0,))
             assert info.value.min_feasible_bytes == int(lo * factor)
             continue
-        plan = solve_compiled(None, None, prof, budget, measure=_scaled(factor, calls),
+        plan = search_compiled(None, None, prof, budget, measure=_scaled(factor, calls),
                               max_compiles=len(plans), partitioner_budgets=(1.0,))
         assert (plan.options, plan.segments) == (fitting[0].options, fitting[0].segments)
         assert plan.compiled.peak_bytes == int(fitting[0].record.predicted_peak_bytes * factor)
@@ -77,7 +77,7 @@ def test_search_respects_max_compiles(prof: remat.Profile) -> None:
     plans = frontier_plans(prof, points=20)
     budget = plans[len(plans) // 2].record.predicted_peak_bytes
     calls: list = []
-    plan = solve_compiled(None, None, prof, budget, measure=_scaled(0.9, calls), max_compiles=2,
+    plan = search_compiled(None, None, prof, budget, measure=_scaled(0.9, calls), max_compiles=2,
                           partitioner_budgets=(1.0,))
     assert len(calls) <= 2 and plan.compiled.peak_bytes <= budget
 
@@ -90,7 +90,7 @@ def test_search_weighs_the_partitioner_budget_by_measured_time(prof: remat.Profi
     plans = frontier_plans(prof, points=20)
     budget = plans[len(plans) // 2].record.predicted_peak_bytes
     calls: list = []
-    plan = solve_compiled(None, None, prof, budget, max_compiles=len(plans),
+    plan = search_compiled(None, None, prof, budget, max_compiles=len(plans),
                           partitioner_budgets=(0.5, 1.0),  # searched from 1.0 down
                           measure=_scaled(1.0, calls, slower=slower, shrink=0.7))
     index = {f: next(i for i, p in enumerate(plans)
@@ -113,7 +113,7 @@ def test_search_weighs_the_partitioner_budget_by_measured_time(prof: remat.Profi
 def test_search_stops_once_keeping_everything_fits(prof: remat.Profile) -> None:
     plans = frontier_plans(prof, points=20)
     calls: list = []
-    plan = solve_compiled(None, None, prof, plans[0].record.predicted_peak_bytes,
+    plan = search_compiled(None, None, prof, plans[0].record.predicted_peak_bytes,
                           measure=_scaled(1.0, calls))
     assert plan.options == plans[0].options and plan.compiled.activation_memory_budget == 1.0
     assert {f for _, f in calls} == {1.0}
@@ -121,7 +121,7 @@ def test_search_stops_once_keeping_everything_fits(prof: remat.Profile) -> None:
 
 def test_bad_arguments_name_the_fix(prof: remat.Profile) -> None:
     with pytest.raises(RematError, match="method must be one of"):
-        solve_compiled(None, None, prof, 10**9, method="chen", measure=lambda p: 0)
+        search_compiled(None, None, prof, 10**9, method="chen", measure=lambda p: 0)
     with pytest.raises(RematError, match="needs the model"):
         remat.solve(prof, memory_budget=10**9, compiled=True)
 

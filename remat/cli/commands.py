@@ -231,11 +231,11 @@ def cmd_solve(args: argparse.Namespace) -> None:
 
     profile, work, label = _load_profile(args)
     if args.compiled:
-        from remat.tune.compiled import solve_compiled
+        from remat.tune.compiled import search_compiled
 
         assert work is not None  # _preflight refuses --compiled with --profile
-        plan = solve_compiled(work.model, work.batch, profile, args.budget, method=args.method,
-                              loss_fn=work.loss_fn, optimizer=work.optimizer)
+        plan = search_compiled(work.model, work.batch, profile, args.budget, method=args.method,
+                               loss_fn=work.loss_fn, optimizer=work.optimizer)
     else:
         plan = remat.solve(profile, memory_budget=args.budget, method=args.method)
     print_table(_plan_rows(profile, plan))

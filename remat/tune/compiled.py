@@ -7,7 +7,7 @@ element-wise ops inside its backward kernels (how much is set by
 figures may then checkpoint more than the compiled model needs, or fit eagerly
 and not compiled.
 
-:func:`solve_compiled` therefore measures instead of predicting, over two knobs:
+:func:`search_compiled` therefore measures instead of predicting, over two knobs:
 remat's plan and inductor's ``activation_memory_budget``. The plans are the
 optimal plans along the eager frontier (:func:`frontier_plans`), fastest first.
 For each partitioner budget (default 1.0, 0.7, 0.4, in that order), a binary
@@ -46,7 +46,7 @@ from remat.solver.pareto import frontier_plans
 from remat.solver.resolve import resolve_budget
 from remat.solver.solve import solve_profile
 
-__all__ = ["CompiledStep", "compile_planned", "measure_compiled", "solve_compiled"]
+__all__ = ["CompiledStep", "compile_planned", "measure_compiled", "search_compiled"]
 
 log = logging.getLogger("remat")
 
@@ -95,7 +95,7 @@ def compile_planned(model: nn.Module, plan: Plan, **compile_options: Any) -> nn.
 
     Returns a module that calls ``torch.compile(model, **compile_options)`` under the
     plan's ``activation_memory_budget`` (1.0 when the plan has none), so that
-    inductor partitions the graph as it did when :func:`solve_compiled` measured it.
+    inductor partitions the graph as it did when :func:`search_compiled` measured it.
     Train with the returned module; ``model`` holds the parameters.
     """
     if planned(model) != plan:  # none applied, or another one: this plan replaces it
@@ -153,7 +153,7 @@ def measure_compiled(
 Measure = Callable[[Plan, float, int], CompiledStep]
 
 
-def solve_compiled(
+def search_compiled(
     model: nn.Module,
     sample_batch: Any,
     profile: Profile,

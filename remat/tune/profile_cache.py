@@ -36,7 +36,7 @@ mutated in place (a list attribute appended to, an object attribute changed insi
 objects are keyed by identity, not content), and state outside torch's flags. After
 such a change call :func:`forget_profiles` (or pass the model afresh: a copy is another
 model). ``remat.solve`` backstops it: verifying a plan from a cached profile, a step
-measured further from the prediction than :data:`remat.verify.PREDICTION_TOLERANCE`
+measured further from the prediction than :data:`remat.tune.verify.PREDICTION_TOLERANCE`
 drops that profile, profiles once more and solves on the fresh one (where a plan from a
 fresh profile misses too, the miss is the prediction's, and is not taken for staleness).
 ``remat.estimate`` and ``remat.pareto`` measure no step, so they have no backstop.

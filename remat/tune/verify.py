@@ -15,7 +15,7 @@ the budget itself, the error names the user's budget, the measured peak and the
 smallest budget that would measure within (never a lowered budget, which may be zero
 or less). A plan measured further than :data:`PREDICTION_TOLERANCE` from its prediction
 tells ``solve()`` that a *cached* profile no longer describes the model
-(:func:`off_prediction`; :mod:`remat.profile_cache`).
+(:func:`off_prediction`; :mod:`remat.tune.profile_cache`).
 """
 
 from __future__ import annotations
