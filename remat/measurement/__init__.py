@@ -12,28 +12,15 @@ trainer's own step with the same instruments: :mod:`.step_meter`). A simulated d
 would; copies remat keeps off the device are marked by :mod:`.host`.
 """
 
-from importlib import import_module
+from remat.core.faces import lazy_names
 
-# The names this package offers outside it (benchmarks, notebooks, users' scripts): each
-# from the module that defines it, imported on first use (no import cycles, no cost).
-# tests/test_architecture.py holds benchmarks, examples and notebooks to these faces.
-_NAMES = {
-    "SimulatedDevice": "remat.measurement.simulated_device",
-    "resident_bytes": "remat.measurement.storage",
-    "Stopwatch": "remat.measurement.timing",
-    "clear_grads": "remat.measurement.state",
-    "model_device": "remat.measurement.runner",
-    "call_model": "remat.measurement.runner",
-    "compute_loss": "remat.measurement.runner",
-    "forward_loss": "remat.measurement.runner",
-    "measure_step": "remat.measurement.step",
-    "StepMeasurement": "remat.measurement.step",
-}
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
-    if name in _NAMES:
-        return getattr(import_module(_NAMES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# The names this package offers outside it (benchmarks, notebooks, users' scripts), by
+# the module that defines them: loaded on first use (remat.core.faces).
+__all__, __getattr__ = lazy_names(__name__, {
+    "simulated_device": ("SimulatedDevice",),
+    "storage": ("resident_bytes",),
+    "timing": ("Stopwatch",),
+    "state": ("clear_grads",),
+    "runner": ("call_model", "compute_loss", "forward_loss", "model_device"),
+    "step": ("StepMeasurement", "measure_step"),
+})

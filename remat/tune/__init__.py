@@ -16,26 +16,14 @@ Importing this package imports none of them; the names benchmarks and scripts ma
 are loaded on first use (:data:`_NAMES`).
 """
 
-from importlib import import_module
+from remat.core.faces import lazy_names
 
-# The names this package offers outside it (benchmarks, notebooks, users' scripts): each
-# from the module that defines it, imported on first use (no import cycles, no cost).
-# tests/test_architecture.py holds benchmarks, examples and notebooks to these faces.
-_NAMES = {
-    "measure_plan": "remat.tune.verify",
-    "verified": "remat.tune.verify",
-    "measure_compiled": "remat.tune.compiled",
-    "search_compiled": "remat.tune.compiled",
-    "DEFAULT_PARTITIONER_BUDGETS": "remat.tune.compiled",
-    "level_scores": "remat.tune.granularity",
-    "forget_profiles": "remat.tune.profile_cache",
-    "checkpointing_only": "remat.tune.remedies",
-}
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
-    if name in _NAMES:
-        return getattr(import_module(_NAMES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# The names this package offers outside it (benchmarks, notebooks, users' scripts), by
+# the module that defines them: loaded on first use (remat.core.faces).
+__all__, __getattr__ = lazy_names(__name__, {
+    "verify": ("measure_plan", "verified"),
+    "compiled": ("DEFAULT_PARTITIONER_BUDGETS", "measure_compiled", "search_compiled"),
+    "granularity": ("level_scores",),
+    "profile_cache": ("forget_profiles",),
+    "remedies": ("checkpointing_only",),
+})
