@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from remat.core.errors import RematError
 
 __all__ = [
     "JsonSource",
     "check_keys",
+    "from_json_source",
     "kind_of",
     "read_json_object",
     "refuse_other_kind",
@@ -25,6 +26,7 @@ __all__ = [
 ]
 
 Error = type[RematError]
+T = TypeVar("T")
 JsonSource = str | os.PathLike[str]
 
 # Keys that only one kind of file has: how a profile and a plan tell each other apart.
@@ -74,6 +76,17 @@ def check_keys(
     if missing:
         raise error(f"{where} lacks the required keys {missing}; write it again with to_json()")
     return dict(d)
+
+
+def from_json_source(source: object, kind: str, error: Error,
+                     build: Callable[[dict[str, Any]], T]) -> T:
+    """``build`` of the JSON object in ``source`` (see :func:`read_json_object`); an
+    ``error`` it raises names where the object came from."""
+    d, where = read_json_object(source, kind, error)
+    try:
+        return build(d)
+    except error as err:
+        raise type(err)(f"{where}: {err}") from None
 
 
 def read_json_object(source: object, kind: str, error: Error) -> tuple[dict[str, Any], str]:

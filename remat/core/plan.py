@@ -35,7 +35,7 @@ from remat.core.fields import (
 from remat.core.json_io import (
     JsonSource,
     check_keys,
-    read_json_object,
+    from_json_source,
     refuse_other_kind,
     write_json,
 )
@@ -529,11 +529,7 @@ class Plan:
             PlanError: the file is missing, unreadable, empty, not JSON, a profile, or
                 holds a malformed plan; the message names the file and the field.
         """
-        d, where = read_json_object(source, "plan", PlanError)
-        try:
-            return cls.from_dict(d)
-        except PlanError as err:
-            raise type(err)(f"{where}: {err}") from None
+        return from_json_source(source, "plan", PlanError, cls.from_dict)
 
 
 # ---------------------------------------------------------------------------------

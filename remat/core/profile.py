@@ -35,7 +35,7 @@ from remat.core.fields import (
 from remat.core.json_io import (
     JsonSource,
     check_keys,
-    read_json_object,
+    from_json_source,
     refuse_other_kind,
     write_json,
 )
@@ -856,11 +856,7 @@ class Profile:
             ProfileError: the file is missing, unreadable, empty, not JSON, a plan, or
                 holds a malformed profile; the message names the file and the field.
         """
-        d, where = read_json_object(source, "profile", ProfileError)
-        try:
-            return cls.from_dict(d)
-        except ProfileError as err:
-            raise ProfileError(f"{where}: {err}") from None
+        return from_json_source(source, "profile", ProfileError, cls.from_dict)
 
 
 # ---------------------------------------------------------------------------------
