@@ -212,6 +212,8 @@ def _check_estimate_and_pareto(rank: int) -> None:
     prof = remat.profile(model, batch, optimizer=opt)
     est = remat.estimate(model, batch, optimizer=opt, memory_budget=prof.persistent_bytes)
     frontier = remat.pareto(model, batch, optimizer=opt, points=4, baselines=False)
+    # FSDP2's hooks run between the blocks: no chain, so no plan spans blocks (segments).
+    assert not prof.is_chain
     # The sharded profile's figures: this rank's shard of the parameters, not all of them.
     assert est.parameters == prof.param_bytes < sum(p.numel() * 4 for p in model.parameters())
     assert est.verdict is not None and est.verdict.status == "does not fit"
