@@ -1,12 +1,16 @@
 """``remat.solve`` on a model sharded with FSDP2, run collectively on every rank.
 
 Every rank of the process group calls ``remat.solve(model, batch, memory_budget=...)``
-on its ``fully_shard``-ed model. The ranks then:
+on its ``fully_shard``-ed model (``remat.profile``, ``estimate`` and ``pareto`` run
+steps 1 to 3 alike). The entry points hand over the eager route's values: one
+:class:`~remat.core.settings.ProfilingSettings` and one
+:class:`~remat.core.settings.Verify` (or ``None``). The ranks then:
 
 1. **agree** (:func:`agree`): a barrier with a timeout (gloo: ``monitored_barrier``,
    which names the rank that did not come), then each rank's description of the call
    (the model's parameters' names, shapes and dtypes, the batch's shapes, the budget,
-   the loop, the method and settings, the world size) gathered on every rank; a rank
+   every field of the settings, the method, the verification and the solver's
+   parameters, the world size) gathered on every rank; a rank
    whose call differs from rank 0's is a :class:`~remat.core.errors.RematError` on
    every rank that names it and what differs. Without this a rank with another batch
    shape would issue other collectives than the rest, and the job would hang;
