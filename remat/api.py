@@ -134,11 +134,8 @@ def profile_with(model: nn.Module, sample_batch: Any, settings: ProfilingSetting
 
     with planning(model, settings.loop, owner) as loop:
         if is_sharded(model):  # FSDP2: every rank calls; the worst rank's step, on each
-            return profile_sharded(model, sample_batch, loss_fn=settings.loss_fn,
-                                   optimizer=settings.optimizer, units=settings.units,
-                                   options=settings.options, loop=loop,
-                                   granularity=settings.granularity, head=settings.head,
-                                   settings={"owner": owner})
+            return profile_sharded(model, sample_batch, settings.replace(loop=loop),
+                                   call={"owner": owner})
         return _profile(model, sample_batch, settings.replace(loop=loop)).profile
 
 
@@ -378,14 +375,8 @@ def solve_with(
 
         model = model_or_profile
         if is_sharded(model):  # FSDP2: every rank calls; one plan for all (remat.tune.sharded)
-            return solve_sharded(
-                model, sample_batch, budget, method=method, loss_fn=settings.loss_fn,
-                optimizer=settings.optimizer, units=settings.units, options=settings.options,
-                loop=settings.loop, granularity=settings.granularity, head=settings.head,
-                verify=verify is not None,
-                verify_rounds=verify.rounds if verify is not None else 1,
-                verify_steps=verify.steps if verify is not None else 1,
-                solver_params=solver_params)
+            return solve_sharded(model, sample_batch, budget, settings, method=method,
+                                 verify=verify, solver_params=solver_params)
         with planning(model, settings.loop, owner) as loop:
             settings = settings.replace(loop=loop)
             needed = _variants_needed(budget, settings.head)

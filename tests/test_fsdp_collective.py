@@ -179,3 +179,54 @@ def test_a_plan_for_two_ranks_is_refused_on_one() -> None:
     assert "world_size" not in remat.Plan.keep_all(names).to_dict()["target"]
     with pytest.raises(PlanMismatchError, match="sharded over 2 rank"):
         remat.apply_plan(ref.model, plan)
+
+
+def test_the_ranks_compare_every_profiling_setting() -> None:
+    # Read from the fields: a setting added to ProfilingSettings is compared across ranks
+    # without a change to remat.tune.sharded (ranks timing with other warmup, repeats or
+    # tolerance would run other numbers of steps, so other collectives, and hang).
+    import dataclasses
+
+    from remat.core.settings import ProfilingSettings
+    from remat.tune.sharded import describe_settings
+    from tests.test_settings import OTHER_VALUES
+
+    base = ProfilingSettings()
+    for f in dataclasses.fields(ProfilingSettings):
+        changed = base.replace(**{f.name: OTHER_VALUES[f.name]})
+        if f.name == "progress":  # a terminal on one rank only; this route draws none
+            assert describe_settings(changed) == describe_settings(base)
+        else:
+            assert describe_settings(changed)[f.name] != describe_settings(base)[f.name], f.name
+    # Equal settings describe equally in another process: no addresses in the text.
+    assert "0x" not in repr(describe_settings(base.replace(**{
+        k: v for k, v in OTHER_VALUES.items() if k != "progress"})))
+
+
+def _check_estimate_and_pareto(rank: int) -> None:
+    import remat
+    from remat.core.errors import RematError
+
+    model, batch = _sharded_gpt()
+    opt = torch.optim.AdamW(model.parameters())
+    prof = remat.profile(model, batch, optimizer=opt)
+    est = remat.estimate(model, batch, optimizer=opt, memory_budget=prof.persistent_bytes)
+    frontier = remat.pareto(model, batch, optimizer=opt, points=4, baselines=False)
+    # FSDP2's hooks run between the blocks: no chain, so no plan spans blocks (segments).
+    assert not prof.is_chain
+    # The sharded profile's figures: this rank's shard of the parameters, not all of them.
+    assert est.parameters == prof.param_bytes < sum(p.numel() * 4 for p in model.parameters())
+    assert est.verdict is not None and est.verdict.status == "does not fit"
+    answers: list = [None] * WORLD
+    dist.all_gather_object(answers, (str(est), frontier.drop(columns="plan").to_json()))
+    assert all(a == answers[0] for a in answers), "the same estimate and frontier on every rank"
+    assert len(frontier) and all(est.lowest_bytes <= peak <= est.no_checkpoint.bytes
+                                 for peak in frontier["peak_bytes"])
+    # Ranks that would time with other settings run other numbers of steps: refused.
+    with pytest.raises(RematError, match=r"rank 1 differs from rank 0 in repeats"):
+        remat.profile(model, batch, optimizer=opt, repeats=3 + 2 * rank)
+
+
+@pytest.mark.slow
+def test_estimate_and_pareto_on_the_sharded_model_agree_on_every_rank(free_port: int) -> None:
+    _spawn(_check_estimate_and_pareto, free_port)

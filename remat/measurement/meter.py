@@ -43,6 +43,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from remat.measurement.storage import local_shard
+
 __all__ = ["MemoryMeter", "MeterMark", "returns_alias"]
 
 _active: list[MemoryMeter] = []  # meters entered and not exited, innermost last
@@ -198,6 +200,10 @@ class MemoryMeter(TorchDispatchMode):
         return out
 
     def _track(self, t: torch.Tensor, *, aliased: bool) -> None:
+        # A DTensor (FSDP2's optimizer state, made by zeros_like on its parameters) by its
+        # local shard: the wrapper's storage reports the global size, world-size times
+        # what this rank allocates (the ops on the shard run below this mode, unseen).
+        t = local_shard(t)
         if t.layout != torch.strided or t.device.type == "meta":
             return
         if self.device_type is not None and t.device.type != self.device_type:

@@ -24,7 +24,7 @@ import torch
 from remat.core.bytesize import format_bytes
 from remat.measurement.host import making_host_copies
 from remat.measurement.meter import MemoryMeter
-from remat.measurement.storage import storage_nbytes
+from remat.measurement.storage import local_shard, storage_nbytes
 
 __all__ = ["SimulatedDevice"]
 
@@ -60,6 +60,7 @@ class SimulatedDevice(MemoryMeter):
     def _track(self, t: torch.Tensor, *, aliased: bool) -> None:
         if making_host_copies():
             return
+        t = local_shard(t)  # a DTensor by what this rank holds (MemoryMeter._track)
         capacity = self.capacity_bytes
         if capacity is not None and not aliased and t.layout == torch.strided \
                 and t.device.type != "meta" and self._counts(t):

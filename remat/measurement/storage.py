@@ -25,6 +25,7 @@ __all__ = [
     "batch_bytes",
     "fixed_bytes",
     "grad_bytes",
+    "local_shard",
     "optimizer_state_bytes",
     "resident_bytes",
     "storage_bytes",
@@ -39,8 +40,10 @@ def storage_nbytes(t: torch.Tensor | None) -> int:
     return t.untyped_storage().nbytes()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A ``DTensor``'s local shard (``t`` itself otherwise)."""
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local shard (``t`` itself otherwise): the memory this rank holds. A
+    ``DTensor`` is a wrapper whose own storage reports its global size, which no rank
+    allocates."""
     dtensor = sys.modules.get("torch.distributed.tensor")  # imported by whoever made one
     if dtensor is not None and isinstance(t, dtensor.DTensor):
         return t.to_local()
@@ -56,7 +59,7 @@ def _tensors(tensors: Any) -> Iterator[torch.Tensor]:
         leaves = ()
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            yield _local(leaf)
+            yield local_shard(leaf)
 
 
 def storage_bytes(tensors: Any) -> int:

@@ -1,12 +1,16 @@
 """``remat.solve`` on a model sharded with FSDP2, run collectively on every rank.
 
 Every rank of the process group calls ``remat.solve(model, batch, memory_budget=...)``
-on its ``fully_shard``-ed model. The ranks then:
+on its ``fully_shard``-ed model (``remat.profile``, ``estimate`` and ``pareto`` run
+steps 1 to 3 alike). The entry points hand over the eager route's values: one
+:class:`~remat.core.settings.ProfilingSettings` and one
+:class:`~remat.core.settings.Verify` (or ``None``). The ranks then:
 
 1. **agree** (:func:`agree`): a barrier with a timeout (gloo: ``monitored_barrier``,
    which names the rank that did not come), then each rank's description of the call
    (the model's parameters' names, shapes and dtypes, the batch's shapes, the budget,
-   the loop, the method and settings, the world size) gathered on every rank; a rank
+   every field of the settings, the method, the verification and the solver's
+   parameters, the world size) gathered on every rank; a rank
    whose call differs from rank 0's is a :class:`~remat.core.errors.RematError` on
    every rank that names it and what differs. Without this a rank with another batch
    shape would issue other collectives than the rest, and the job would hang;
@@ -43,15 +47,17 @@ from remat.core.errors import RematError
 from remat.core.loop import Loop
 from remat.core.plan import Plan
 from remat.core.profile import UNIT_TYPE_COUNTS, Profile
+from remat.core.settings import ProfilingSettings, Verify
 from remat.execute.sharding import is_sharded, world_size
 from remat.measurement.step import StepMeasurement
 
-__all__ = ["AGREE_TIMEOUT_S", "agree", "is_sharded", "profile_sharded", "solve_sharded",
-           "worst_profile"]
+__all__ = ["AGREE_TIMEOUT_S", "agree", "call_description", "describe_settings", "is_sharded",
+           "profile_sharded", "solve_sharded", "worst_profile"]
 
 log = logging.getLogger("remat")
 
 AGREE_TIMEOUT_S = 120.0  # how long a rank waits for the others to call solve() too
+_VERIFY = Verify()  # verify=True
 
 
 def _dist() -> Any:
@@ -80,16 +86,54 @@ def _model_signature(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def call_description(model: nn.Module, batch: Any, budget: Any, *, loop: Loop | None,
-                     settings: Mapping[str, Any]) -> dict[str, Any]:
-    """What every rank's call must agree on, as plain values (compared across ranks)."""
+def _plain(value: Any) -> Any:
+    """``value`` as text that is equal on every rank for the same setting: a function, a
+    class or an object without a ``repr`` of its own by its qualified name (their ``repr``
+    holds an address, which differs by rank), an optimizer by its class and
+    hyperparameters, a loop as its fields, a sequence item by item."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Loop):
+        return value.to_dict()
+    if isinstance(value, torch.optim.Optimizer):
+        hyper = sorted((k, repr(v)) for k, v in value.defaults.items())
+        return f"{type(value).__qualname__}{hyper}"
+    if isinstance(value, type) or callable(value):
+        name = getattr(value, "__qualname__", type(value).__qualname__)
+        return f"{getattr(value, '__module__', '?')}.{name}"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    if type(value).__repr__ is object.__repr__:  # "<... object at 0x...>": by its class
+        return f"{type(value).__module__}.{type(value).__qualname__} object"
+    return repr(value)
+
+
+# Not compared across ranks: a progress line is drawn on a terminal only (rank 0's, often),
+# changes no figure, and this route draws none (profile_sharded).
+_UNCOMPARED = frozenset({"progress"})
+
+
+def describe_settings(settings: ProfilingSettings) -> dict[str, Any]:
+    """Every field of ``settings`` (but :data:`_UNCOMPARED`), as plain values: read from the
+    fields, so a setting added to :class:`ProfilingSettings` is compared across ranks
+    without a change here (ranks that time with other ``warmup``, ``repeats`` or
+    ``tolerance`` would run other numbers of steps, so other collectives)."""
+    return {f.name: _plain(getattr(settings, f.name)) for f in dataclasses.fields(settings)
+            if f.name not in _UNCOMPARED}
+
+
+def call_description(model: nn.Module, batch: Any, budget: Any, settings: ProfilingSettings,
+                     call: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What every rank's call must agree on, as plain values (compared across ranks): the
+    model, the batch's shapes, the budget, every profiling setting, and ``call``, the
+    entry point's own arguments (the method, the verification, the solver's parameters)."""
     return {
         "world size": world_size(model),
         "model": _model_signature(model),
         "batch shapes": _shapes(batch),
-        "memory_budget": budget,
-        "loop": None if loop is None else loop.to_dict(),
-        **{k: repr(v) for k, v in sorted(settings.items())},
+        "memory_budget": _plain(budget),
+        **describe_settings(settings),
+        **{k: _plain(v) for k, v in sorted((call or {}).items())},
     }
 
 
@@ -126,7 +170,7 @@ def agree(description: Mapping[str, Any], *, timeout_s: float = AGREE_TIMEOUT_S,
                 f"remat.solve() on a sharded model needs the same call on every rank, and rank "
                 f"{rank} differs from rank 0 in {', '.join(differs)} ({what}); the ranks "
                 f"would run different collectives (and hang): pass every rank the same model, "
-                f"batch shapes, budget and loop")
+                f"batch shapes, budget, loop and settings")
 
 
 def _worst(values: Sequence[Any]) -> Any:
@@ -189,22 +233,22 @@ def _max_over_ranks(value: int, group: Any) -> int:
 def profile_sharded(
     model: nn.Module,
     sample_batch: Any,
+    settings: ProfilingSettings,
     *,
     memory_budget: Any = None,
-    loss_fn: Callable[[Any, Any], Any] | None = None,
-    optimizer: Any = None,
-    units: Any = None,
-    options: Sequence[str] | None = None,
-    loop: Loop | None = None,
-    granularity: str = "blocks",
-    head: str = "auto",
+    call: Mapping[str, Any] | None = None,
     timeout_s: float = AGREE_TIMEOUT_S,
     group: Any = None,
-    settings: Mapping[str, Any] | None = None,
 ) -> Profile:
     """The worst rank's step of the sharded ``model``, the same profile on every rank
     (steps 1 to 3 of the module docstring): what ``remat.profile`` returns on a sharded
     model, and what ``solve`` plans. Every rank must call it (a collective).
+
+    ``settings`` are the eager route's (its loop already the ambient one's); ``call``: the
+    entry point's own arguments, compared across ranks beside them (and ``memory_budget``).
+    Two are overridden, as every rank must run every collective alike: ``tolerance`` is 0
+    (stopping a time figure early on one rank's timings would skip collectives the others
+    run) and ``progress`` is off.
 
     Raises:
         RematError: no process group, ranks that disagree or do not all call, or
@@ -214,20 +258,13 @@ def profile_sharded(
     from remat.profiler import profile_levels
     from remat.profiler.sharded import sharded_profile
 
-    if granularity != "blocks":
-        raise RematError(f"granularity={granularity!r} on a sharded model: only 'blocks' (each "
-                         "fully_shard-ed block a unit) is supported there")
-    described = {"units": units, "options": options, "head": head,
-                 "optimizer": type(optimizer).__name__,
-                 "loss_fn": getattr(loss_fn, "__qualname__", loss_fn), **(settings or {})}
-    agree(call_description(model, sample_batch, memory_budget, loop=loop,
-                           settings=described), timeout_s=timeout_s, group=group)
-    local, _ = profile_levels(model, sample_batch, loss_fn=loss_fn, units=units,
-                              optimizer=optimizer, options=options, loop=loop,
-                              granularity="blocks", head=head, progress=False,
-                              # Every rank runs every timed run: stopping early on
-                              # one rank's timings would skip collectives others run.
-                              tolerance=0.0)
+    if settings.granularity != "blocks":
+        raise RematError(f"granularity={settings.granularity!r} on a sharded model: only "
+                         "'blocks' (each fully_shard-ed block a unit) is supported there")
+    agree(call_description(model, sample_batch, memory_budget, settings, call),
+          timeout_s=timeout_s, group=group)
+    local, _ = profile_levels(model, sample_batch,
+                              **settings.replace(tolerance=0.0, progress=False).as_kwargs())
     counts = unit_type_counts(model, (u.type_name for u in local.units),
                               [u.name for u in local.units])
     sharded = sharded_profile(local, model)
@@ -239,67 +276,74 @@ def solve_sharded(
     model: nn.Module,
     sample_batch: Any,
     memory_budget: Any,
+    settings: ProfilingSettings,
     *,
     method: str = "optimal",
-    loss_fn: Callable[[Any, Any], Any] | None = None,
-    optimizer: Any = None,
-    units: Any = None,
-    options: Sequence[str] | None = None,
-    loop: Loop | None = None,
-    granularity: str = "blocks",
-    head: str = "auto",
-    verify: bool = True,
-    verify_rounds: int = 3,
-    verify_steps: int = 1,
+    verify: Verify | None = _VERIFY,
     solver_params: Mapping[str, Any] | None = None,
     timeout_s: float = AGREE_TIMEOUT_S,
     group: Any = None,
 ) -> Plan:
     """The plan for one rank's step of the sharded ``model``, the same on every rank (see
-    the module docstring); ``remat.solve``'s arguments, already checked by it.
+    the module docstring); ``remat.solve``'s values (its settings, its verification:
+    ``None`` for none), already checked by it.
 
     Raises:
         RematError: no process group, ranks that disagree or do not all call, or a setting
             this route does not support (``granularity`` other than ``"blocks"``).
         InfeasibleBudgetError: no plan fits the budget on the worst rank.
     """
-    from remat.solver.solve import solve_profile
     from remat.tune.ambient import planning
-    from remat.tune.verify import measure_plan, verified
 
     solver_params = dict(solver_params or {})
-    settings = {"method": method, "units": units, "options": options, "head": head,
-                "verify": verify, "optimizer": type(optimizer).__name__,
-                "loss_fn": getattr(loss_fn, "__qualname__", loss_fn), **solver_params}
-    with planning(model, loop, "solve()") as loop:
-        prof = profile_sharded(model, sample_batch, memory_budget=memory_budget,
-                               loss_fn=loss_fn, optimizer=optimizer, units=units,
-                               options=options, loop=loop, granularity=granularity, head=head,
-                               timeout_s=timeout_s, group=group, settings=settings)
-        world = world_size(model)
+    call = {"method": method, "verify": verify, **solver_params}
+    with planning(model, settings.loop, "solve()") as loop:
+        settings = settings.replace(loop=loop)
+        prof = profile_sharded(model, sample_batch, settings, memory_budget=memory_budget,
+                               call=call, timeout_s=timeout_s, group=group)
 
         def solve_at(budget: Any) -> Plan:
-            plan = solve_profile(prof, budget, method=method, head=head, **solver_params)
-            return plan.with_(target=dataclasses.replace(plan.target, world_size=world))
+            return _solve_for_ranks(prof, budget, method=method, head=settings.head,
+                                    solver_params=solver_params, world=world_size(model))
 
         plan = solve_at(memory_budget)
-        if verify and plan.budget_bytes is not None:
-            def measure(candidate: Plan) -> StepMeasurement:
-                # Timed (one more, un-metered step): without it the metered steps' restore
-                # leaves FSDP2's root parameters unsharded in a state its next forward
-                # refuses ("mixed torch.Tensor and DTensor"); the cause is open (issue 32).
-                measured = measure_plan(model, sample_batch, candidate, loss_fn=loss_fn,
-                                        optimizer=optimizer, loop=prof.loop, steps=verify_steps,
-                                        timed=True)
-                worst = _max_over_ranks(measured.worst_peak_bytes, group)
-                log.info("remat: rank's measured peak %d B, worst rank's %d B",
-                         measured.worst_peak_bytes, worst)
-                return dataclasses.replace(measured, peak_bytes=worst,
-                                           allocator_peak_bytes=worst)
-
-            budget_bytes = plan.budget_bytes
-            plan = verified(plan, budget_bytes,
-                            lambda target: solve_at(target).with_(budget_bytes=budget_bytes),
-                            measure, rounds=verify_rounds)
+        if verify is not None and plan.budget_bytes is not None:
+            plan = _verified_on_ranks(model, sample_batch, prof, plan, settings, verify,
+                                      solve_at, group=group)
     return _broadcast(plan, group)
 
+
+def _solve_for_ranks(prof: Profile, budget: Any, *, method: str, head: str,
+                     solver_params: Mapping[str, Any], world: int) -> Plan:
+    """The plan for ``prof`` within ``budget``, recording the world size it is for (so
+    ``apply_plan`` refuses it under another)."""
+    from remat.solver.solve import solve_profile
+
+    plan = solve_profile(prof, budget, method=method, head=head, **solver_params)
+    return plan.with_(target=dataclasses.replace(plan.target, world_size=world))
+
+
+def _verified_on_ranks(model: nn.Module, sample_batch: Any, prof: Profile, plan: Plan,
+                       settings: ProfilingSettings, verify: Verify,
+                       solve_at: Callable[[Any], Plan], *, group: Any) -> Plan:
+    """``plan`` verified as ``verify`` says, against the highest peak measured over the
+    ranks (every rank measures its own step, and decides alike on that one figure)."""
+    from remat.tune.verify import measure_plan, verified
+
+    def measure(candidate: Plan) -> StepMeasurement:
+        # Timed (one more, un-metered step) whatever verify.timed says: without it the
+        # metered steps' restore leaves FSDP2's root parameters unsharded in a state its
+        # next forward refuses ("mixed torch.Tensor and DTensor"); the cause is open
+        # (issue 32).
+        measured = measure_plan(model, sample_batch, candidate, loss_fn=settings.loss_fn,
+                                optimizer=settings.optimizer, loop=prof.loop,
+                                steps=verify.steps, timed=True)
+        worst = _max_over_ranks(measured.worst_peak_bytes, group)
+        log.info("remat: rank's measured peak %d B, worst rank's %d B",
+                 measured.worst_peak_bytes, worst)
+        return dataclasses.replace(measured, peak_bytes=worst, allocator_peak_bytes=worst)
+
+    budget_bytes = plan.budget_bytes
+    return verified(plan, budget_bytes,
+                    lambda target: solve_at(target).with_(budget_bytes=budget_bytes),
+                    measure, rounds=verify.rounds)
