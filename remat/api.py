@@ -130,6 +130,7 @@ def profile_with(model: nn.Module, sample_batch: Any, settings: ProfilingSetting
     trainer callbacks hold them so): the loop is the ambient autocast's where
     ``settings.loop`` is ``None`` (``owner`` names the caller in what it logs or refuses)."""
     from remat.tune.ambient import planning
+    from remat.tune.replicated import is_replicated, profile_replicated
     from remat.tune.sharded import is_sharded, profile_sharded
 
     with planning(model, settings.loop, owner) as loop:
@@ -139,6 +140,12 @@ def profile_with(model: nn.Module, sample_batch: Any, settings: ProfilingSetting
                                    options=settings.options, loop=loop,
                                    granularity=settings.granularity, head=settings.head,
                                    settings={"owner": owner})
+        if is_replicated(model):  # DDP: every rank calls; the buckets counted, worst rank's
+            return profile_replicated(model, sample_batch, loss_fn=settings.loss_fn,
+                                      optimizer=settings.optimizer, units=settings.units,
+                                      options=settings.options, loop=loop,
+                                      granularity=settings.granularity, head=settings.head,
+                                      settings={"owner": owner})
         return _profile(model, sample_batch, settings.replace(loop=loop)).profile
 
 
@@ -374,11 +381,21 @@ def solve_with(
                       method=method, verify=None, solver_params=solver_params)
     else:
         from remat.tune.ambient import planning
+        from remat.tune.replicated import is_replicated, solve_replicated
         from remat.tune.sharded import is_sharded, solve_sharded
 
         model = model_or_profile
         if is_sharded(model):  # FSDP2: every rank calls; one plan for all (remat.tune.sharded)
             return solve_sharded(
+                model, sample_batch, budget, method=method, loss_fn=settings.loss_fn,
+                optimizer=settings.optimizer, units=settings.units, options=settings.options,
+                loop=settings.loop, granularity=settings.granularity, head=settings.head,
+                verify=verify is not None,
+                verify_rounds=verify.rounds if verify is not None else 1,
+                verify_steps=verify.steps if verify is not None else 1,
+                solver_params=solver_params)
+        if is_replicated(model):  # DDP: every rank calls; one plan for all (tune.replicated)
+            return solve_replicated(
                 model, sample_batch, budget, method=method, loss_fn=settings.loss_fn,
                 optimizer=settings.optimizer, units=settings.units, options=settings.options,
                 loop=settings.loop, granularity=settings.granularity, head=settings.head,
