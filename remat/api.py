@@ -517,11 +517,16 @@ def _solve_compiled(model: Any, sample_batch: Any, memory_budget: Any,
             "batch and a budget: remat.solve_compiled(model, sample_batch, memory_budget=...)")
     from remat.tune.ambient import planning
     from remat.tune.profile_cache import note_restored
+    from remat.tune.replicated import is_replicated
     from remat.tune.sharded import is_sharded
 
     if is_sharded(model):
         raise ArgumentError(f"{owner}: the compiled search does not support a model sharded "
                             "with fully_shard yet; plan it with remat.solve (eager)")
+    if is_replicated(model):
+        raise ArgumentError(f"{owner}: the compiled search does not support a model wrapped in "
+                            "DistributedDataParallel yet; plan it with remat.solve (eager), "
+                            "on every rank")
     with planning(model, settings.loop, owner) as loop:
         settings = settings.replace(loop=loop)
         prof = _profile(model, sample_batch, settings).profile
