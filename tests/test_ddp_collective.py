@@ -83,6 +83,7 @@ def _check_within(as_view: bool, rank: int) -> None:
     buckets = prof.meta["ddp_bucket_bytes"]
     assert buckets == bucket_bytes(ddp, grads=False) > 0
     assert buckets >= sum(p.numel() * p.element_size() for p in model.parameters())
+    assert remat.estimate(prof).buckets == buckets
     keep = remat.solve(prof, memory_budget=None).record.predicted_peak_bytes
     with pytest.raises(InfeasibleBudgetError) as info:
         remat.solve(prof, memory_budget=1)
@@ -154,3 +155,19 @@ def _check_disagreeing_budget(rank: int) -> None:
 @pytest.mark.slow
 def test_a_rank_with_another_budget_gets_an_error_naming_it(free_port: int) -> None:
     _spawn(_check_disagreeing_budget, free_port)
+
+
+def test_zero_grad_without_freeing_keeps_gradients_that_are_bucket_views() -> None:
+    # With gradient_as_bucket_view=True a gradient is a view of DDP's bucket: detach_()
+    # refuses it; the runner zeroes it in place as torch's zero_grad does.
+    import remat
+    from remat.measurement.runner import StepRunner
+
+    model = torch.nn.Linear(4, 4)
+    bucket = torch.ones(32)
+    model.weight.grad = bucket[:16].view(4, 4)
+    runner = StepRunner(model, torch.ones(2, 4), lambda out, _b: out.sum(), None,
+                        remat.Loop(set_to_none=False), "cpu")
+    runner.zero_grad()
+    assert model.weight.grad.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr()
+    assert bucket[:16].eq(0).all() and bucket[16:].eq(1).all()
