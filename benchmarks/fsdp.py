@@ -119,7 +119,7 @@ def _sharded(name: str, rank: int, reshard: bool) -> tuple[torch.nn.Module, Any]
 
 def _budgets(prof: Any, head: str) -> list[int]:
     import remat
-    from remat.core.errors import InfeasibleBudgetError
+    from remat import InfeasibleBudgetError
 
     keep = remat.solve(prof, None, head=head).record.predicted_peak_bytes
     try:
@@ -135,8 +135,7 @@ def _runs(model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer,
     tensor bytes (resident included) and as the allocator saw it
     (:func:`remat.integrations.fsdp.measure_rank_step`)."""
     from remat.integrations.fsdp import measure_rank_step
-    from remat.measurement.simulated_device import SimulatedDevice
-    from remat.measurement.storage import resident_bytes
+    from remat.measurement import SimulatedDevice, resident_bytes
 
     live, allocator = [], []
     for _ in range(runs):
@@ -231,8 +230,7 @@ def segment_rows(name: str, overrides: dict[str, Any]) -> list[list[object]]:
     """On the unsharded profile: the optimal plan's predicted time with multi-unit
     segments and with per-unit options only, at 4 budgets (see the module docstring)."""
     import remat
-    from remat.core.errors import InfeasibleBudgetError
-    from remat.solver.simulate import simulate
+    from remat import InfeasibleBudgetError, simulate
 
     model, batch = _build(name, 0, **overrides)
     opt = torch.optim.AdamW(model.parameters())

@@ -130,12 +130,16 @@ def profile_with(model: nn.Module, sample_batch: Any, settings: ProfilingSetting
     trainer callbacks hold them so): the loop is the ambient autocast's where
     ``settings.loop`` is ``None`` (``owner`` names the caller in what it logs or refuses)."""
     from remat.tune.ambient import planning
+    from remat.tune.replicated import is_replicated, profile_replicated
     from remat.tune.sharded import is_sharded, profile_sharded
 
     with planning(model, settings.loop, owner) as loop:
         if is_sharded(model):  # FSDP2: every rank calls; the worst rank's step, on each
             return profile_sharded(model, sample_batch, settings.replace(loop=loop),
                                    call={"owner": owner})
+        if is_replicated(model):  # DDP: every rank calls; the buckets counted, worst rank's
+            return profile_replicated(model, sample_batch, settings.replace(loop=loop),
+                                      call={"owner": owner})
         return _profile(model, sample_batch, settings.replace(loop=loop)).profile
 
 
@@ -371,12 +375,16 @@ def solve_with(
                       method=method, verify=None, solver_params=solver_params)
     else:
         from remat.tune.ambient import planning
+        from remat.tune.replicated import is_replicated, solve_replicated
         from remat.tune.sharded import is_sharded, solve_sharded
 
         model = model_or_profile
         if is_sharded(model):  # FSDP2: every rank calls; one plan for all (remat.tune.sharded)
             return solve_sharded(model, sample_batch, budget, settings, method=method,
                                  verify=verify, solver_params=solver_params)
+        if is_replicated(model):  # DDP: every rank calls; one plan for all (tune.replicated)
+            return solve_replicated(model, sample_batch, budget, settings, method=method,
+                                    verify=verify, solver_params=solver_params)
         with planning(model, settings.loop, owner) as loop:
             settings = settings.replace(loop=loop)
             needed = _variants_needed(budget, settings.head)
@@ -491,11 +499,16 @@ def _solve_compiled(model: Any, sample_batch: Any, memory_budget: Any,
             "batch and a budget: remat.solve_compiled(model, sample_batch, memory_budget=...)")
     from remat.tune.ambient import planning
     from remat.tune.profile_cache import note_restored
+    from remat.tune.replicated import is_replicated
     from remat.tune.sharded import is_sharded
 
     if is_sharded(model):
         raise ArgumentError(f"{owner}: the compiled search does not support a model sharded "
                             "with fully_shard yet; plan it with remat.solve (eager)")
+    if is_replicated(model):
+        raise ArgumentError(f"{owner}: the compiled search does not support a model wrapped in "
+                            "DistributedDataParallel yet; plan it with remat.solve (eager), "
+                            "on every rank")
     with planning(model, settings.loop, owner) as loop:
         settings = settings.replace(loop=loop)
         prof = _profile(model, sample_batch, settings).profile

@@ -101,6 +101,8 @@ class Estimate:
             ``remedies``).
         verdict: the answer for ``memory_budget``, when one was given.
         loop, device: the loop and the device the profile is for.
+        buckets: of ``buffers``, the gradient buckets of ``DistributedDataParallel``'s
+            Reducer (a model estimated through its DDP wrapper; 0 otherwise).
     """
 
     parameters: int
@@ -118,6 +120,7 @@ class Estimate:
     floor: str = ""
     remedies: tuple[Remedy, ...] = ()
     lowest: int | None = None
+    buckets: int = 0
 
     @property
     def lowest_bytes(self) -> int:
@@ -187,7 +190,9 @@ class Estimate:
         lines = [
             f"remat estimate ({self.device}; loop: {self.loop.describe()})",
             line("parameters", self.parameters),
-            line("buffers", self.buffers),
+            line("buffers", self.buffers,
+                 f"(DDP's gradient buckets {format_bytes(self.buckets)} included)"
+                 if self.buckets else ""),
             line("gradients", self.gradients,
                  "(freed in backward, each once stepped)" if self.loop.optimizer_in_backward
                  else ""),
@@ -294,6 +299,7 @@ def estimate_profile(profile: Profile, memory_budget: int | str | None = None) -
         floor=floor_cause(smallest_sim),
         remedies=remedies(profile),
         lowest=min_peak_bytes_over_heads(profile),
+        buckets=int(profile.meta.get("ddp_bucket_bytes", 0)),  # tune.replicated.DDP_BUCKET_BYTES
     )
 
 

@@ -235,7 +235,7 @@ def test_both_searches_plan_within_what_the_device_can_give(monkeypatch, compile
         return solve_profile(prof, budget)
 
     monkeypatch.setattr(api, "_within_device", within)
-    monkeypatch.setattr(compiled_search, "solve_compiled", search)
+    monkeypatch.setattr(compiled_search, "search_compiled", search)
     ref = models.build("mlp", size="tiny")
     plan = remat.solve(ref.model, ref.batch, memory_budget=10**9, loss_fn=ref.loss_fn,
                        compiled=compiled, verify=False)

@@ -188,7 +188,7 @@ def test_the_ranks_compare_every_profiling_setting() -> None:
     import dataclasses
 
     from remat.core.settings import ProfilingSettings
-    from remat.tune.sharded import describe_settings
+    from remat.tune.ranks import describe_settings
     from tests.test_settings import OTHER_VALUES
 
     base = ProfilingSettings()

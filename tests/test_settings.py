@@ -188,7 +188,7 @@ def test_the_budget_is_resolved_to_bytes_once(monkeypatch: pytest.MonkeyPatch) -
 # --------------------------------------------------------------------- the compiled search
 def test_solve_compiled_is_its_own_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
     # Its search keywords are its own, with the search's defaults.
-    search_defaults = _keyword_defaults(compiled_search.solve_compiled)
+    search_defaults = _keyword_defaults(compiled_search.search_compiled)
     ours = _keyword_defaults(remat.solve_compiled)
     for name in api.COMPILED_SEARCH_PARAMS:
         assert ours[name] == search_defaults[name], name
@@ -204,7 +204,7 @@ def test_solve_compiled_is_its_own_entry_point(monkeypatch: pytest.MonkeyPatch) 
         calls.append({"budget": budget, **kwargs})
         return solve_profile(prof, budget)
 
-    monkeypatch.setattr(compiled_search, "solve_compiled", search)
+    monkeypatch.setattr(compiled_search, "search_compiled", search)
     ref = models.build("mlp", size="tiny", seed=0)
     remat.solve_compiled(ref.model, ref.batch, 10**9, loss_fn=ref.loss_fn, points=5,
                          max_compiles=2, partitioner_budgets=(1.0,))

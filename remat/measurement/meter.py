@@ -21,6 +21,12 @@ CPU too). One tensor made outside the dispatcher it does count: the CPU RNG stat
 that ``torch.utils.checkpoint`` stashes per region (``torch.get_rng_state()``,
 about 5 KB), by wrapping that function while the meter is active.
 
+c10d's collectives work in place (``allreduce_`` sums its tensors where they are, DDP's
+gradient buckets included) but their schemas return those tensors without saying they
+alias them: an output of a ``c10d`` op whose storage is one of its arguments' is counted
+as what it is, that argument (counted by allocation, every bucket DDP reduced in a step
+was a new bucket's bytes).
+
 Nor does the dispatcher see a storage resized in place (``UntypedStorage.resize_``):
 that is how FSDP frees a unit's all-gathered parameters after its forward or backward
 (``resize_(0)``) and allocates them again for the next use, keeping the same storage
@@ -82,6 +88,17 @@ def returns_alias(func: torch._ops.OpOverload) -> list[bool]:
         return [r.alias_info is not None for r in func._schema.returns]
     except AttributeError:  # not an OpOverload with a schema: treat outputs as fresh
         return []
+
+
+def _input_storages(args: tuple, kwargs: dict | None) -> tuple[int, ...]:
+    """The ids of the storages of the tensors among an op's arguments."""
+    return tuple(id(t.untyped_storage()) for t in tree_flatten((args, kwargs or {}))[0]
+                 if isinstance(t, torch.Tensor) and t.layout == torch.strided)
+
+
+def _is_input(t: torch.Tensor, inputs: tuple[int, ...]) -> bool:
+    """Whether ``t`` returns one of the op's argument storages (an in-place result)."""
+    return bool(inputs) and t.layout == torch.strided and id(t.untyped_storage()) in inputs
 
 
 class MemoryMeter(TorchDispatchMode):
@@ -192,11 +209,12 @@ class MemoryMeter(TorchDispatchMode):
             outputs = (out,)  # one return, possibly a Tensor[] (split, chunk, unbind)
         else:
             outputs = out if isinstance(out, (tuple, list)) else (out,)
+        inputs = _input_storages(args, kwargs) if func.namespace == "c10d" else ()
         for i, value in enumerate(outputs):
             aliased = aliases[i] if i < len(aliases) else False
             for t in tree_flatten(value)[0]:
                 if isinstance(t, torch.Tensor):
-                    self._track(t, aliased=aliased)
+                    self._track(t, aliased=aliased or _is_input(t, inputs))
         return out
 
     def _track(self, t: torch.Tensor, *, aliased: bool) -> None:

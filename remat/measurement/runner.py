@@ -249,7 +249,12 @@ class StepRunner:
             if self.loop.set_to_none:
                 p.grad = None
             else:
-                p.grad.detach_()
+                # As torch's zero_grad: a gradient that is a view (of a DDP bucket, with
+                # gradient_as_bucket_view) cannot be detached in place, nor needs it.
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
                 p.grad.zero_()
 
     # -- whole steps ----------------------------------------------------------------

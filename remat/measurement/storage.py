@@ -8,7 +8,10 @@ parameter sharded with FSDP2) counts its local shard, what this rank holds.
 :func:`resident_bytes` is what a measured step starts with and holds throughout
 (parameters, buffers, optimizer state, gradients alive at its start, the batch): the
 profiler, ``remat.measure``, verification, the compiled search, FSDP and the trainer
-callbacks all add it to the peak their instruments see above the step's start.
+callbacks all add it to the peak their instruments see above the step's start. For a
+model wrapped in ``DistributedDataParallel`` it includes the Reducer's gradient buckets
+(:func:`bucket_bytes`), which are no parameter, buffer or gradient of the model but are
+held from the wrapping on.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "batch_bytes",
+    "bucket_bytes",
     "fixed_bytes",
     "grad_bytes",
     "local_shard",
@@ -98,6 +102,50 @@ def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> in
             + optimizer_state_bytes(optimizer))
 
 
+def _reducer(model: nn.Module) -> Any:
+    """The ``DistributedDataParallel`` Reducer of ``model`` (``None``: not DDP-wrapped)."""
+    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+    if ddp is None or not isinstance(model, ddp):
+        return None
+    return getattr(model, "reducer", None)
+
+
+def _already_counted(bucket: Any, nbytes: int, as_view: bool) -> bool:
+    """Whether ``bucket``'s storage is already counted as its parameters' gradients:
+    with ``gradient_as_bucket_view`` the gradients alive are views of the bucket."""
+    if not as_view:
+        return False
+    grads = [p.grad for p in bucket.parameters() if p.grad is not None]
+    storages = {id(g.untyped_storage()) for g in grads}
+    return len(storages) == 1 and storage_nbytes(grads[0]) == nbytes
+
+
+def bucket_bytes(model: nn.Module, *, grads: bool = True) -> int:
+    """Bytes of ``model``'s ``DistributedDataParallel`` gradient buckets (0 for any other
+    model), read off the Reducer's live buckets; with ``grads``, those not already counted
+    as the gradients alive (with ``gradient_as_bucket_view=True`` the gradients are views
+    of the buckets, so a bucket whose gradients are alive is theirs).
+
+    Why read them: DDP's Reducer allocates one flat buffer per bucket of parameters when
+    it wraps the model (rebuilt in gradient order after the first step), the size of the
+    gradients, and holds them for the whole run. They are no parameter, buffer or
+    gradient, so nothing else here sees them, and a step's dispatch-level meter started
+    after the wrapping does not either. The Reducer lends no view of them, only copies
+    (``_get_zeros_like_grad_buckets``): one is made and dropped here, a transient of the
+    buckets' size, taken before any measured region.
+    """
+    reducer = _reducer(model)
+    if reducer is None:
+        return 0
+    as_view = bool(getattr(model, "gradient_as_bucket_view", False))
+    total = 0
+    for bucket in reducer._get_zeros_like_grad_buckets():
+        nbytes = storage_nbytes(bucket.buffer())
+        if not (grads and _already_counted(bucket, nbytes, as_view)):
+            total += nbytes
+    return total
+
+
 def resident_bytes(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -108,8 +156,10 @@ def resident_bytes(
 ) -> int:
     """What a measured step holds from its start to its end: parameters, buffers and
     optimizer state (:func:`fixed_bytes`), the gradients alive now (unless ``grads`` is
-    false: a step that frees them first), and ``batch``'s tensors on ``device``."""
-    total = fixed_bytes(model, optimizer) + (grad_bytes(model) if grads else 0)
+    false: a step that frees them first), DDP's gradient buckets (:func:`bucket_bytes`),
+    and ``batch``'s tensors on ``device``."""
+    total = (fixed_bytes(model, optimizer) + (grad_bytes(model) if grads else 0)
+             + bucket_bytes(model, grads=grads))
     if batch is not None and device is not None:
         total += batch_bytes(batch, device)
     return total

@@ -1,0 +1,234 @@
+"""``remat.solve`` on a model wrapped in ``DistributedDataParallel``, run on every rank.
+
+DDP replicates the model: every rank holds all of it and trains it on its own
+micro-batch, and the Reducer all-reduces the gradients in backward, bucket by bucket.
+The plan is per rank (a rank's peak is its own step's), and the ranks must run one
+program, so every rank calls ``remat.solve(ddp_model, batch, memory_budget=...)`` and:
+
+1. **agree** on the call (:func:`remat.tune.ranks.agree`: a barrier with a timeout,
+   then each rank's model, batch shapes, budget, loop and settings compared; a rank that
+   differs is a ``RematError`` naming it, on every rank, not a hang);
+2. **settle** the wrapper (:func:`settle`): one forward and backward through DDP, its
+   all-reduces run by every rank alike, and the Reducer's bucket rebuild (DDP regroups
+   the buckets in gradient order at its second step) done now, so that neither the
+   profile nor a measured step sees the wrapper's one-off first steps; the model is put
+   back as it was;
+3. **profile** their own micro-batch on the module inside the wrapper (the Reducer's
+   hooks stay idle outside a DDP forward, so the profiler's replays run no collective),
+   and count what DDP adds to the rank's step (:func:`replicated_profile`): the
+   Reducer's gradient buckets, read off the live Reducer
+   (:func:`remat.measurement.storage.bucket_bytes`), held for the whole step. With
+   ``gradient_as_bucket_view=False`` they are a second copy of the gradients; with
+   ``True`` the gradients are views of them, so the buckets replace the gradients the
+   backward would allocate;
+4. **take the worst rank** (:func:`remat.tune.ranks.worst_profile`, the largest of
+   every figure), so every rank solves one profile;
+5. **verify** (with a budget) with a real step through the wrapper on every rank (its
+   all-reduces included), the highest measured peak over the ranks deciding on every
+   rank alike whether to solve again for less;
+6. **broadcast** rank 0's plan, so every rank applies the same one; ``apply_plan``
+   puts it on the module inside the wrapper.
+
+The all-reduces' time is not in the profile's step time (it is the same for every plan
+but for how much of it backward hides); the verified plan's measured step includes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from remat.core.loop import Loop
+from remat.core.plan import Plan
+from remat.core.profile import UNIT_TYPE_COUNTS, OutsideCost, Profile
+from remat.core.settings import ProfilingSettings, Verify
+from remat.execute.planned import unwrap
+from remat.measurement.storage import bucket_bytes
+from remat.tune.ranks import (
+    AGREE_TIMEOUT_S,
+    agree,
+    broadcast_plan,
+    call_description,
+    gather_profiles,
+    process_group_module,
+    verified_on_ranks,
+    worst_profile,
+)
+
+__all__ = ["is_replicated", "profile_replicated", "replicated_profile", "settle",
+           "solve_replicated"]
+
+log = logging.getLogger("remat")
+
+DDP_BUCKET_BYTES = "ddp_bucket_bytes"  # Profile.meta: the buckets, counted with the buffers
+
+
+def _ddp(model: Any) -> nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` among ``model``'s wrappers (``None``: there is none)."""
+    while isinstance(model, nn.Module):
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            return model
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+    return None
+
+
+def is_replicated(model: Any) -> bool:
+    """Whether ``model`` is wrapped in ``DistributedDataParallel`` (perhaps compiled)."""
+    return _ddp(model) is not None
+
+
+def _group(ddp: nn.parallel.DistributedDataParallel) -> Any:
+    process_group_module("a DistributedDataParallel model")
+    return ddp.process_group
+
+
+def _description(ddp: nn.parallel.DistributedDataParallel, batch: Any, budget: Any,
+                 settings: ProfilingSettings, call: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`~remat.tune.ranks.call_description` with DDP's own settings."""
+    ddp_call = {"gradient_as_bucket_view": ddp.gradient_as_bucket_view, **call}
+    return call_description(ddp, batch, budget, settings, ddp_call, group=ddp.process_group)
+
+
+def settle(ddp: nn.parallel.DistributedDataParallel, batch: Any,
+           loss_fn: Callable[[Any, Any], Any] | None, loop: Loop | None) -> None:
+    """Run DDP's first step and its bucket rebuild now, and put the model back.
+
+    Why: DDP's first backward records the order gradients arrive in, and the next
+    forward reallocates the buckets in that order. A measured region holding that forward
+    would count the new buckets and never see the old ones go (made before it): the
+    buckets twice. One forward and backward through the wrapper (all-reduces on every
+    rank alike), then the rebuild (a collective too), settles it for every step after.
+    """
+    from remat.core.loop import loop_or_default
+    from remat.measurement.runner import StepRunner, model_device
+    from remat.measurement.state import clear_grads, training_session
+
+    with training_session(ddp) as state:
+        runner = StepRunner(ddp, batch, loss_fn, None, loop_or_default(loop),
+                            model_device(ddp).type)
+        output, loss = runner.forward()
+        del output
+        runner.backward(loss)
+        del loss
+        clear_grads(state.params)  # with bucket views, else copied into the new buckets
+        rebuilt = ddp.reducer._rebuild_buckets()
+        if rebuilt:
+            ddp._has_rebuilt_buckets = True  # as DDP's own forward records it
+    log.info("remat: DDP settled (buckets rebuilt now: %s)", rebuilt)
+
+
+def _grads_held(part: OutsideCost, in_flight: int) -> OutsideCost:
+    """``part`` whose parameters' gradients land in the buckets: only a partial sum
+    autograd still holds (``in_flight``: a weight tied to one used later in backward)
+    is held past it. Counted to the end of the step, as a gradient: over, never under."""
+    return dataclasses.replace(part, param_grad_bytes=min(part.param_grad_bytes, in_flight))
+
+
+def replicated_profile(profile: Profile, ddp: nn.parallel.DistributedDataParallel) -> Profile:
+    """``profile`` (measured on the module inside ``ddp``) as this rank's DDP step: the
+    Reducer's gradient buckets held throughout (counted with the buffers; the bytes in
+    ``meta["ddp_bucket_bytes"]``). With ``gradient_as_bucket_view`` the gradients are
+    views of the buckets, so the backward's parameter gradients are the buckets' bytes
+    already (each fresh gradient is copied into its bucket and dropped at once: within
+    the unit's backward peak, as measured), but for the partial sum of a tied weight's
+    gradient, which autograd holds from the suffix's backward to the prefix's."""
+    buckets = bucket_bytes(ddp, grads=False)
+    as_view = bool(ddp.gradient_as_bucket_view)
+    changed: dict[str, Any] = {"buffer_bytes": profile.buffer_bytes + buckets}
+    if as_view:
+        changed.update(
+            units=tuple(dataclasses.replace(u, param_grad_bytes=0, before_param_grad_bytes=0)
+                        for u in profile.units),
+            prefix=_grads_held(profile.prefix, 0),
+            suffix=_grads_held(profile.suffix, profile.grad_in_flight_bytes))
+    meta = {**profile.meta, DDP_BUCKET_BYTES: buckets, "ddp_gradient_as_bucket_view": as_view}
+    return dataclasses.replace(profile, meta=meta, **changed)
+
+
+def profile_replicated(
+    model: nn.Module,
+    sample_batch: Any,
+    settings: ProfilingSettings,
+    *,
+    memory_budget: Any = None,
+    call: Mapping[str, Any] | None = None,
+    timeout_s: float = AGREE_TIMEOUT_S,
+) -> Profile:
+    """The worst rank's DDP step (steps 1 to 4 of the module docstring), the same profile
+    on every rank: what ``remat.profile`` returns on a DDP model. Every rank must call it.
+
+    ``settings`` are the eager route's (its loop already the ambient one's); ``call``: the
+    entry point's own arguments, compared across ranks beside them. The profile runs no
+    collective (the module inside the wrapper), so it may stop a time figure early.
+
+    Raises:
+        RematError: no process group, or ranks that disagree or do not all call.
+    """
+    from remat.execute.structure import unit_type_counts
+    from remat.profiler import profile_levels
+
+    ddp = _ddp(model)
+    assert ddp is not None, "profile_replicated() needs a DistributedDataParallel model"
+    group = _group(ddp)
+    agree(_description(ddp, sample_batch, memory_budget, settings, call or {}),
+          timeout_s=timeout_s, group=group)
+    settle(ddp, sample_batch, settings.loss_fn, settings.loop)
+    inner = unwrap(model)
+    local, _ = profile_levels(inner, sample_batch,
+                              **settings.replace(progress=False).as_kwargs())
+    counts = unit_type_counts(inner, (u.type_name for u in local.units),
+                              [u.name for u in local.units])
+    local = replicated_profile(local, ddp)
+    local = dataclasses.replace(local, meta={**local.meta, UNIT_TYPE_COUNTS: counts})
+    return worst_profile(gather_profiles(local, group))
+
+
+def solve_replicated(
+    model: nn.Module,
+    sample_batch: Any,
+    memory_budget: Any,
+    settings: ProfilingSettings,
+    *,
+    method: str = "optimal",
+    verify: Verify | None = None,
+    solver_params: Mapping[str, Any] | None = None,
+    timeout_s: float = AGREE_TIMEOUT_S,
+) -> Plan:
+    """The plan for one rank's step of the DDP ``model``, the same on every rank (see the
+    module docstring); ``remat.solve``'s values (its settings, its verification: ``None``
+    for none), already checked by it.
+
+    Raises:
+        RematError: no process group, or ranks that disagree or do not all call.
+        InfeasibleBudgetError: no plan fits the budget on the worst rank.
+    """
+    from remat.solver.solve import solve_profile
+    from remat.tune.ambient import planning
+
+    solver_params = dict(solver_params or {})
+    ddp = _ddp(model)
+    assert ddp is not None, "solve_replicated() needs a DistributedDataParallel model"
+    group = _group(ddp)
+    with planning(model, settings.loop, "solve()") as loop:
+        settings = settings.replace(loop=loop)
+        prof = profile_replicated(model, sample_batch, settings, memory_budget=memory_budget,
+                                  call={"method": method, "verify": verify, **solver_params},
+                                  timeout_s=timeout_s)
+
+        def solve_at(budget: Any) -> Plan:
+            return solve_profile(prof, budget, method=method, head=settings.head,
+                                 **solver_params)
+
+        plan = solve_at(memory_budget)
+        if verify is not None and plan.budget_bytes is not None:
+            # Through the wrapper: the buckets held, the all-reduces run on every rank.
+            plan = verified_on_ranks(ddp, sample_batch, prof, plan, settings, verify,
+                                     solve_at, group=group)
+    return broadcast_plan(plan, group)
