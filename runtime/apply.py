@@ -119,6 +119,11 @@ class _RematState:
         module = self.modules[index]
         return type(module).forward.__get__(module, type(module))
 
+    def active(self, index: int) -> bool:
+        """Whether unit ``index``'s option does anything for a call now (``option_is_active``)."""
+        option = self.runs_as[index] or self.plan.options[index]
+        return option != _KEEP and torch.is_grad_enabled() and self.modules[index].training
+
     def call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run unit ``index`` under its option (or as part of its segment)."""
         runner = self.runner
@@ -291,12 +296,23 @@ class _PlannedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self._remat_state
         runner = state.runner
-        if (runner is not None and runner.expects_quiet(self._index, args, kwargs)
-                and not torch.compiler.is_compiling()):
-            # The hot path of a segment a stock nn.Sequential drives, a few calls deep:
-            # nothing ran since the previous unit, so nothing needs checking
-            # (runtime/sequential_links.py).
-            return _eager_segment_quiet(state, self._index, args[0])
+        if runner is not None and len(args) == 1 and not kwargs:
+            # The hot paths of a segment a stock nn.Sequential drives, a few calls deep
+            # (about 10 us a segment and 5 a unit less than ``call``): a unit called
+            # with one tensor continues the open segment over a quiet link (nothing ran
+            # since the previous unit, so nothing needs checking: sequential_links.py),
+            # or opens its segment.
+            index, x = self._index, args[0]
+            if runner.expects_quiet(index, x):
+                if not torch.compiler.is_compiling():
+                    # _dynamo_idle(), inline: this runs at every unit of a segment
+                    if _get_eval_frame_callback is not None and _get_eval_frame_callback() is None:
+                        return runner.call_quiet(index, state.original_forward(index), x)
+                    return _eager_segment_quiet(state, index, x)
+            elif (runner.may_start(index, x) and state.active(index)
+                  and not torch.compiler.is_compiling()):
+                start = _segment_start if _dynamo_idle() else _eager_segment_start
+                return start(state, index, x)
         return state.call(self._index, args, kwargs)
 
     def __repr__(self) -> str:
@@ -344,21 +360,51 @@ def _segment_quiet(state: _RematState, index: int, x: torch.Tensor) -> Any:
     return runner.call_quiet(index, state.original_forward(index), x)
 
 
+def _segment_start(state: _RematState, index: int, x: torch.Tensor) -> Any:
+    """Unit ``index`` opens its segment on ``x`` alone (``SegmentRunner.start_quiet``);
+    the segment holds ``x``, so the unit must not write into it (as in ``call``)."""
+    runner = cast(SegmentRunner, state.runner)
+    version = x._version
+    output = runner.start_quiet(index, state.original_forward(index), x)
+    if x._version != version:
+        state._refuse_writes_in_segment(index, (x,), {}, [("argument 0", x, version)])
+    return output
+
+
 def _segment_close(runner: SegmentRunner) -> None:
     runner.close()
 
 
 _eager_segment_call: Callable[..., Any] = _segment_call
 _eager_segment_quiet: Callable[..., Any] = _segment_quiet
+_eager_segment_start: Callable[..., Any] = _segment_start
 _eager_segment_close: Callable[[SegmentRunner], None] = _segment_close
 
 
 def _disable_compile_for_segments() -> None:
-    global _eager_segment_call, _eager_segment_quiet, _eager_segment_close
+    global _eager_segment_call, _eager_segment_quiet, _eager_segment_start, _eager_segment_close
     if _eager_segment_call is _segment_call:
         _eager_segment_call = torch.compiler.disable(_segment_call)
         _eager_segment_quiet = torch.compiler.disable(_segment_quiet)
+        _eager_segment_start = torch.compiler.disable(_segment_start)
         _eager_segment_close = torch.compiler.disable(_segment_close)
+
+
+# torch.compiler.disable's wrapper costs about 1.5 us a call (it swaps dynamo's frame
+# callback out and back), on every unit of a segment. It only matters where dynamo's
+# callback is set on this thread (a frame torch.compile fell back on runs the units);
+# where none is set, no frame is ever traced, and the plain function is the same.
+# The getter is private to torch: without it, the wrapper is always used.
+_get_eval_frame_callback: Callable[[], Any] | None = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+    "get_eval_frame_callback", None)
+
+
+def _dynamo_idle() -> bool:
+    """Whether no dynamo frame callback is set on this thread: then the eager segment
+    entry points may run without their ``torch.compiler.disable`` wrapper. Never
+    called while dynamo traces (callers check ``is_compiling`` first)."""
+    return _get_eval_frame_callback is not None and _get_eval_frame_callback() is None
 
 
 # --------------------------------------------------------------------------- API

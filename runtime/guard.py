@@ -58,6 +58,7 @@ one that records its units' signatures.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -151,10 +152,11 @@ def scaled_peak(plan: Plan, growth: float) -> int | None:
 def replaced_units(model: nn.Module, names: tuple[str, ...], modules: list[nn.Module]) -> list[int]:
     """Indices of the units whose name in ``model`` no longer leads to the planned module.
 
-    Run at every training forward, so each module on the units' paths is looked up
-    once per call (memoised by its path), in the ``_modules`` dicts themselves: about
-    0.2 us a unit, where ``get_submodule`` per unit walked every path from the root
-    (6 us a unit, 1.3 ms a step for 200 units).
+    Run at every training forward, so the names are split once per plan
+    (:func:`_parent_keys`), each distinct container on the units' paths is looked up
+    once per call, in the ``_modules`` dicts themselves, and each unit is one dict
+    read in a comprehension: no function call per unit (about 1.5 us a unit when
+    each walked its path: 0.3 ms a step for 200 units).
     """
     found: dict[str, nn.Module | None] = {"": model}
 
@@ -167,8 +169,21 @@ def replaced_units(model: nn.Module, names: tuple[str, ...], modules: list[nn.Mo
         found[path] = live
         return live
 
-    return [i for i, (name, module) in enumerate(zip(names, modules))
-            if lookup(name) is not module]
+    keys, parents = _parent_keys(tuple(names))
+    live = {path: lookup(path) for path in parents}
+    return [i for i, ((parent, key), module) in enumerate(zip(keys, modules))
+            if (model if parent is None else
+                None if live[parent] is None else live[parent]._modules.get(key)) is not module]
+
+
+@functools.lru_cache(maxsize=32)
+def _parent_keys(names: tuple[str, ...]) -> tuple[tuple[tuple[str | None, str], ...],
+                                                  tuple[str, ...]]:
+    """Per unit name, ``(its container's path, its key there)`` (``(None, "")`` for the
+    model itself), and the distinct container paths."""
+    keys = tuple((None, "") if not name else (name.rpartition(".")[0], name.rpartition(".")[2])
+                 for name in names)
+    return keys, tuple(dict.fromkeys(parent for parent, _ in keys if parent is not None))
 
 
 class PlanGuard:

@@ -148,6 +148,16 @@ class _Replay:
             x = nxt
 
 
+def _any_autocast() -> bool:
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
+# Whether any autocast is on, asked at every unit call of a segment: torch's private
+# one-call check where it has one (``is_autocast_enabled(device)`` parses the device
+# string, twice a unit), else the public two.
+_autocast_on: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast)
+
+
 class _OpenSegment:
     """A segment whose checkpoint region is currently entered (during one forward)."""
 
@@ -229,25 +239,6 @@ class _OpenSegment:
         try:
             with autocast_without_cache():
                 output = forward(*args, **kwargs)
-        except BaseException as exc:
-            self.abort(exc)
-            raise
-        return output
-
-    def run_quiet(self, index: int, forward: Callable[..., Any], x: torch.Tensor) -> Any:
-        """Unit ``index`` called over a quiet link with the previous unit's output alone.
-
-        What :meth:`run` does, less what the link makes needless: no chain search (the
-        argument is the previous output), no RNG state (nothing drew between the
-        units), no container snapshot (the call has none): the record is the forward.
-        """
-        self.quiet_next = None
-        self._last_output = None
-        self.replay.calls.append(forward)
-        self.last_index = index
-        try:
-            with autocast_without_cache():
-                output = forward(x)
         except BaseException as exc:
             self.abort(exc)
             raise
@@ -353,6 +344,8 @@ class SegmentRunner:
         self.segment_of: dict[int, tuple[int, int]] = {
             i: (a, b) for a, b in segments for i in range(a, b + 1)
         }
+        # The first unit of each segment, to its segment.
+        self._starts: dict[int, tuple[int, int]] = {a: (a, b) for a, b in segments}
         self._open: _OpenSegment | None = None
         self._ahead: _Ahead | None = None
         self._context_fns: dict[tuple[int, int], Callable[[], tuple[Any, Any]]] = {}
@@ -367,25 +360,100 @@ class SegmentRunner:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_context_fns", {})  # pickled by a remat without the cache
         state.setdefault("links", None)
+        if "_starts" not in state:  # pickled by a remat without it
+            state["_starts"] = {a: (a, b) for a, b in set(state["segment_of"].values())}
         self.__dict__.update(state)
 
     @property
     def is_open(self) -> bool:
         return self._open is not None
 
-    def expects_quiet(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether this call continues the open segment over a quiet link
-        (:mod:`.sequential_links`): the unit expected next, called with the previous
-        unit's output alone. Then :meth:`call_quiet` runs it."""
+    def expects_quiet(self, index: int, x: Any) -> bool:
+        """Whether a call of unit ``index`` with ``x`` alone continues the open segment
+        over a quiet link (:mod:`.sequential_links`): the unit expected next, called with
+        the previous unit's output. Then :meth:`call_quiet` runs it."""
         seg = self._open
-        return (seg is not None and seg.quiet_next == index and not kwargs and len(args) == 1
-                and args[0] is seg._last_output)
+        return seg is not None and seg.quiet_next == index and x is seg._last_output
+
+    def may_start(self, index: int, x: Any) -> bool:
+        """Whether a call of unit ``index`` with tensor ``x`` alone opens its segment, none
+        being open: then :meth:`start_quiet` runs it (the caller checked the option is
+        active)."""
+        return self._open is None and index in self._starts and isinstance(x, torch.Tensor)
 
     def call_quiet(self, index: int, forward: Callable[..., Any], x: torch.Tensor) -> Any:
-        """Run unit ``index`` on ``x`` after :meth:`expects_quiet` said yes."""
+        """Run unit ``index`` on ``x`` after :meth:`expects_quiet` said yes.
+
+        What :meth:`call` does, less what the link makes needless: no chain search (the
+        argument is the previous output), no RNG state (nothing drew between the
+        units), no container snapshot (the call has none): the record is the forward.
+        """
         seg = self._open
         assert seg is not None  # expects_quiet checked it
-        return self._ran(seg, index, lambda: seg.run_quiet(index, forward, x))
+        seg.quiet_next = None
+        seg._last_output = None
+        # _run_alone's body, inline: this is the call of every unit but a segment's first.
+        seg.replay.calls.append(forward)
+        seg.last_index = index
+        try:
+            if _autocast_on():
+                with autocast_without_cache():
+                    output = forward(x)
+            else:  # a null context costs two calls a unit
+                output = forward(x)
+        except BaseException as exc:
+            self._open = None
+            seg.abort(exc)
+            raise
+        try:
+            finished = seg.unit_returned(index, output)
+        except BaseException:
+            self._open = None
+            raise
+        if finished:
+            self._open = None
+        return output
+
+    def start_quiet(self, index: int, forward: Callable[..., Any], x: torch.Tensor) -> Any:
+        """Open unit ``index``'s segment on ``x`` and run the unit, after :meth:`may_start`.
+
+        What :meth:`call` does for a segment's first unit called with one tensor: the
+        region holds ``x`` (slot 0), and the call needs neither an RNG state (the
+        generator keeps it) nor a container snapshot: the record is the forward. The
+        caller checks that the unit did not write into ``x``.
+        """
+        bounds = self._starts[index]
+        seg = self._open = _OpenSegment(bounds, self.names, self._context_fn(bounds), x,
+                                        self.links)
+        return self._run_alone(seg, index, forward, x)
+
+    def _run_alone(self, seg: _OpenSegment, index: int, forward: Callable[..., Any],
+                   x: torch.Tensor) -> Any:
+        """Unit ``index`` run on ``x`` alone inside ``seg``, recorded as its forward.
+
+        The hot path of a segment: one frame around the unit's forward, where
+        :meth:`call` runs several (about a microsecond each, per unit).
+        """
+        seg.replay.calls.append(forward)
+        seg.last_index = index
+        try:
+            if _autocast_on():
+                with autocast_without_cache():
+                    output = forward(x)
+            else:  # a null context costs two calls a unit
+                output = forward(x)
+        except BaseException as exc:
+            self._open = None
+            seg.abort(exc)
+            raise
+        try:
+            finished = seg.unit_returned(index, output)
+        except BaseException:
+            self._open = None
+            raise
+        if finished:
+            self._open = None
+        return output
 
     def _ran(self, seg: _OpenSegment, index: int, run: Callable[[], Any]) -> Any:
         """``run()`` (unit ``index`` inside ``seg``), its output noted; the segment is no

@@ -53,15 +53,6 @@ class _Running:
         self.depth -= 1
 
 
-def _unhooked(first: nn.Module, second: nn.Module) -> bool:
-    """No hook of either unit, nor a global module hook, can run between their calls."""
-    return not (first._forward_hooks or second._forward_pre_hooks
-                or first._backward_hooks or first._backward_pre_hooks
-                or second._backward_hooks or second._backward_pre_hooks
-                or _module._global_forward_hooks or _module._global_forward_pre_hooks
-                or _module._global_backward_hooks or _module._global_backward_pre_hooks)
-
-
 class SequentialLinks:
     """For the segments of one planned model: which links ``i -> i+1`` need no check now."""
 
@@ -84,8 +75,16 @@ class SequentialLinks:
     def quiet(self, i: int) -> bool:
         """Whether nothing but the running ``Sequential``'s loop runs between units i and i+1."""
         found = self._parents.get(i)
-        return (found is not None and found[1].depth > 0
-                and _unhooked(self.modules[i], self.modules[i + 1]))
+        if found is None or found[1].depth <= 0:
+            return False
+        # No hook of either unit, nor a global module hook, can run between their calls
+        # (inline: asked at every unit of a segment).
+        first, second = self.modules[i], self.modules[i + 1]
+        return not (first._forward_hooks or second._forward_pre_hooks
+                    or first._backward_hooks or first._backward_pre_hooks
+                    or second._backward_hooks or second._backward_pre_hooks
+                    or _module._global_forward_hooks or _module._global_forward_pre_hooks
+                    or _module._global_backward_hooks or _module._global_backward_pre_hooks)
 
     def remove(self) -> None:
         """Take the counting hooks off the ``Sequential`` modules (``remove_plan``)."""

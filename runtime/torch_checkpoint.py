@@ -93,18 +93,30 @@ def checkpoint_generator(
     """
     gen_fn = generator or _ckpt._checkpoint_without_reentrant_generator
     form = _installed_form() if generator is None else generator_form(gen_fn)
-    values = {"preserve_rng_state": True, "context_fn": context_fn,
-              "determinism_check": "default", "debug": False, "early_stop": True}
-    names, before = _parameters(gen_fn)
     if form == "keyword":
-        return gen_fn(fn, (first_input,), {}, **{k: v for k, v in values.items() if k in names})
-    return gen_fn(fn, *(values[name] for name in before[1:]), first_input)
+        names = _parameter_names(gen_fn)
+        options = {k: v for k, v in _values(context_fn).items() if k in names}
+        return gen_fn(fn, (first_input,), {}, **options)
+    before, at = _positional_template(gen_fn)
+    return gen_fn(fn, *before[:at], context_fn, *before[at + 1 :], first_input)
+
+
+def _values(context_fn: Callable[[], tuple[Any, Any]]) -> dict[str, Any]:
+    return {"preserve_rng_state": True, "context_fn": context_fn,
+            "determinism_check": "default", "debug": False, "early_stop": True}
 
 
 @functools.cache
-def _parameters(gen_fn: Callable[..., Any]) -> tuple[frozenset[str], tuple[str, ...]]:
-    """The generator's parameter names, and those before ``*args``: read once (``inspect``
-    costs tens of microseconds, and a segment opens at every step)."""
+def _parameter_names(gen_fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(gen_fn).parameters)
+
+
+@functools.cache
+def _positional_template(gen_fn: Callable[..., Any]) -> tuple[tuple[Any, ...], int]:
+    """The options the positional form takes before ``*args``, in order (``context_fn``
+    as None), and where ``context_fn`` goes: read once, for a segment opens at every
+    step (``inspect`` costs tens of microseconds, building the arguments a few)."""
     params = inspect.signature(gen_fn).parameters
-    return frozenset(params), tuple(name for name, p in params.items()
-                                    if p.kind < inspect.Parameter.VAR_POSITIONAL)
+    names = [name for name, p in params.items() if p.kind < inspect.Parameter.VAR_POSITIONAL]
+    values = _values(None)  # type: ignore[arg-type]
+    return tuple(values[name] for name in names[1:]), names[1:].index("context_fn")

@@ -161,46 +161,58 @@ class RecomputeAsForward:
     def __init__(self, modules: tuple[nn.Module, ...], selective: bool) -> None:
         self.modules = modules
         self.selective = selective
-        # Every module of the units, walked once: a segment's context is made once
-        # per plan and called at every step, where walking each unit's tree again
-        # cost about 3 us a unit. A submodule added inside a unit after apply_plan is
-        # not seen (the plan was made for the units as they were).
+        # Every module of the units, and the BatchNorms among them, walked once: a
+        # segment's context is made once per plan and called at every step, where
+        # walking each unit's tree again cost about 3 us a unit. A submodule added
+        # inside a unit after apply_plan is not seen (the plan was made for the units
+        # as they were).
         self._members: list[nn.Module] | None = None
+        self._batchnorms: list[nn.modules.batchnorm._BatchNorm] = []
 
     def __call__(self) -> tuple[Any, Any]:
         members = self._members
         if members is None:
             members = self._members = [m for unit in self.modules for m in unit.modules()]
-        modes = [(m, m.training) for m in members]
-        bns = [m for m in members if isinstance(m, nn.modules.batchnorm._BatchNorm)
-               and m.track_running_stats and m.training]
+            self._batchnorms = [m for m in members
+                                if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        flags = [m.training for m in members]
+        bns = [m for m in self._batchnorms if m.track_running_stats and m.training]
         if self.selective:
             fwd_ctx, cached = create_selective_checkpoint_contexts(selective_policy)
-            recompute_ctx: Any = RetainableCache(cached)
-        else:
-            fwd_ctx, recompute_ctx = contextlib.nullcontext(), contextlib.nullcontext()
-        return fwd_ctx, _AsInForward(modes, bns, recompute_ctx)
+            return fwd_ctx, _AsInForward(members, flags, bns, RetainableCache(cached))
+        return _NO_CONTEXT, _AsInForward(members, flags, bns, None)
 
 
 class _AsInForward:
     """The recompute context of :class:`RecomputeAsForward`. A class, not a generator:
     torch enters the one recompute context once per recomputation, and a retained
-    graph is recomputed once per backward."""
+    graph is recomputed once per backward.
+
+    Entered once per segment in every backward, so the usual case (the modes as in
+    the forward, no BatchNorm, no selective cache) does nothing at all: an
+    ``ExitStack`` and a generator-based context cost about 10 us a segment.
+    """
 
     def __init__(
         self,
-        modes: list[tuple[nn.Module, bool]],
+        members: list[nn.Module],
+        flags: list[bool],
         bns: list[nn.modules.batchnorm._BatchNorm],
         inner: Any,
     ) -> None:
-        self.modes = modes
+        self.members = members
+        self.flags = flags  # each member's ``training`` in the forward
         self.bns = bns
         self.inner = inner
-        self._stack: list[contextlib.ExitStack] = []
+        self._stack: list[contextlib.ExitStack | None] = []
 
     def __enter__(self) -> None:
+        changed = [(m, m.training) for m, training in zip(self.members, self.flags)
+                   if m.training != training]
+        if not (changed or self.bns or self.inner is not None):
+            self._stack.append(None)
+            return
         stack = contextlib.ExitStack()
-        changed = [(m, m.training) for m, training in self.modes if m.training != training]
         for m, now in changed:
             m.training = not now
 
@@ -211,14 +223,16 @@ class _AsInForward:
         stack.callback(put_back)
         try:
             stack.enter_context(frozen_batchnorm_stats(self.bns))
-            stack.enter_context(self.inner)
+            if self.inner is not None:
+                stack.enter_context(self.inner)
         except BaseException:
             stack.close()
             raise
         self._stack.append(stack)
 
     def __exit__(self, *exc: Any) -> Any:
-        return self._stack.pop().__exit__(*exc)
+        stack = self._stack.pop()
+        return None if stack is None else stack.__exit__(*exc)
 
 
 def _graph_is_kept() -> bool:

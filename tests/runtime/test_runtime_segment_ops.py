@@ -1,0 +1,109 @@
+"""A planned segment runs what ``checkpoint_sequential`` runs for the same segments.
+
+remat applying ``checkpoint_sequential(k)``'s own segments as a manual plan must add
+no aten op to the step (no ``detach`` per unit, no copy of a boundary), forward or
+backward, and give the unplanned model's gradients bitwise; the fast paths a stock
+``nn.Sequential`` takes (a segment opened and continued by one-tensor calls) keep
+the checks of the general path: a segment's first unit writing into the input the
+segment holds is refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint_sequential
+
+from remat import apply_plan
+from remat.core.errors import RematError
+from remat.core.plan import Plan
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops that run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _stack(layers: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    modules: list[nn.Module] = []
+    for _ in range(layers):
+        modules += [nn.Linear(8, 8), nn.ReLU(), nn.Dropout(0.2)]
+    return nn.Sequential(*modules)
+
+
+def _sequential_plan(n: int, k: int) -> Plan:
+    """``checkpoint_sequential(k)``'s recomputation: k segments of ``n // k`` units (the
+    last takes the rest), every one but the last recomputed."""
+    size = n // k
+    bounds = [(i * size, (i + 1) * size - 1) for i in range(k - 1)]
+    names = [str(i) for i in range(n)]
+    recomputed = {names[i]: "checkpoint" for a, b in bounds for i in range(a, b + 1)}
+    return Plan.from_options(names, recomputed, segments=[s for s in bounds if s[1] > s[0]])
+
+
+class _Peer(nn.Module):
+    def __init__(self, seq: nn.Sequential, k: int) -> None:
+        super().__init__()
+        self.seq, self.k = seq, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(self.seq, self.k, x, use_reentrant=False)
+
+
+def _counted_step(model: nn.Module, x: torch.Tensor) -> tuple[collections.Counter[str], ...]:
+    torch.manual_seed(1)
+    with _Ops() as fwd:
+        loss = model(x).pow(2).mean()
+    with _Ops() as bwd:
+        loss.backward()
+    return fwd.ops, bwd.ops
+
+
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_a_planned_segment_runs_the_ops_of_checkpoint_sequential(k: int) -> None:
+    seq = _stack()
+    x = torch.randn(4, 8, requires_grad=True)
+    peer = _Peer(copy.deepcopy(seq), k)
+    planned = apply_plan(copy.deepcopy(seq), _sequential_plan(len(seq), k))
+    for model in (peer, planned):  # the first step probes; count a later one
+        _counted_step(model, x)
+    assert _counted_step(planned, x) == _counted_step(peer, x)
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_a_planned_segment_keeps_the_unplanned_gradients(k: int) -> None:
+    seq = _stack()
+    x = torch.randn(4, 8)
+    planned = apply_plan(copy.deepcopy(seq), _sequential_plan(len(seq), k))
+    for _ in range(2):  # the first step and a later one (fast paths warmed up)
+        grads = []
+        for model in (seq, planned):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(2)
+            model(x).pow(2).mean().backward()
+            grads.append([p.grad for p in model.parameters()])
+        for ours, theirs in zip(*grads):
+            assert torch.equal(ours, theirs)
+
+
+def test_a_first_unit_writing_into_the_held_input_is_refused() -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU())
+    planned = apply_plan(seq, Plan.from_options(
+        [str(i) for i in range(4)], {str(i): "checkpoint" for i in (1, 2)}, segments=[(1, 2)]))
+    with pytest.raises(RematError, match="multi-unit segment"):
+        planned(torch.randn(4, 8)).sum().backward()
