@@ -24,13 +24,13 @@ from torch import nn
 from remat.core.errors import RematError
 from remat.core.loop import Loop
 from remat.core.plan import Plan
-from remat.core.profile import Profile
+from remat.core.profile import UNIT_TYPE_COUNTS, Profile
 from remat.core.settings import ProfilingSettings, Verify
 from remat.measurement.step import StepMeasurement
 
 __all__ = ["AGREE_TIMEOUT_S", "agree", "broadcast_plan", "call_description",
            "describe_settings", "gather_profiles", "max_over_ranks", "process_group_module",
-           "verified_on_ranks", "worst_profile"]
+           "verified_on_ranks", "worst_profile", "worst_rank_profile"]
 
 log = logging.getLogger("remat")
 
@@ -240,3 +240,15 @@ def verified_on_ranks(model: nn.Module, sample_batch: Any, prof: Profile, plan: 
     return verified(plan, budget_bytes,
                     lambda target: solve_at(target).with_(budget_bytes=budget_bytes),
                     measure, rounds=verify.rounds)
+
+
+def worst_rank_profile(local: Profile, model: nn.Module, group: Any = None) -> Profile:
+    """The worst rank's profile, on every rank, from this rank's ``local`` one of ``model``
+    (the module its units are in), which records how many modules of each unit class the
+    model has (a plan solved from it refuses a deeper model)."""
+    from remat.execute.structure import unit_type_counts
+
+    counts = unit_type_counts(model, (u.type_name for u in local.units),
+                              [u.name for u in local.units])
+    local = dataclasses.replace(local, meta={**local.meta, UNIT_TYPE_COUNTS: counts})
+    return worst_profile(gather_profiles(local, group))

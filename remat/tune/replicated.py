@@ -44,7 +44,7 @@ from torch import nn
 
 from remat.core.loop import Loop
 from remat.core.plan import Plan
-from remat.core.profile import UNIT_TYPE_COUNTS, OutsideCost, Profile
+from remat.core.profile import OutsideCost, Profile
 from remat.core.settings import ProfilingSettings, Verify
 from remat.execute.planned import unwrap
 from remat.measurement.storage import bucket_bytes
@@ -53,10 +53,9 @@ from remat.tune.ranks import (
     agree,
     broadcast_plan,
     call_description,
-    gather_profiles,
     process_group_module,
     verified_on_ranks,
-    worst_profile,
+    worst_rank_profile,
 )
 
 __all__ = ["is_replicated", "profile_replicated", "replicated_profile", "settle",
@@ -171,7 +170,6 @@ def profile_replicated(
     Raises:
         RematError: no process group, or ranks that disagree or do not all call.
     """
-    from remat.execute.structure import unit_type_counts
     from remat.profiler import profile_levels
 
     ddp = _ddp(model)
@@ -183,11 +181,7 @@ def profile_replicated(
     inner = unwrap(model)
     local, _ = profile_levels(inner, sample_batch,
                               **settings.replace(progress=False).as_kwargs())
-    counts = unit_type_counts(inner, (u.type_name for u in local.units),
-                              [u.name for u in local.units])
-    local = replicated_profile(local, ddp)
-    local = dataclasses.replace(local, meta={**local.meta, UNIT_TYPE_COUNTS: counts})
-    return worst_profile(gather_profiles(local, group))
+    return worst_rank_profile(replicated_profile(local, ddp), inner, group)
 
 
 def solve_replicated(

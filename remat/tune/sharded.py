@@ -42,7 +42,7 @@ from torch import nn
 
 from remat.core.errors import RematError
 from remat.core.plan import Plan
-from remat.core.profile import UNIT_TYPE_COUNTS, Profile
+from remat.core.profile import Profile
 from remat.core.settings import ProfilingSettings, Verify
 from remat.execute.sharding import is_sharded, world_size
 from remat.tune.ranks import (
@@ -50,9 +50,8 @@ from remat.tune.ranks import (
     agree,
     broadcast_plan,
     call_description,
-    gather_profiles,
     verified_on_ranks,
-    worst_profile,
+    worst_rank_profile,
 )
 
 __all__ = ["is_sharded", "profile_sharded", "solve_sharded"]
@@ -86,7 +85,6 @@ def profile_sharded(
         RematError: no process group, ranks that disagree or do not all call, or
             ``granularity`` other than ``"blocks"`` (each ``fully_shard``-ed block a unit).
     """
-    from remat.execute.structure import unit_type_counts
     from remat.profiler import profile_levels
     from remat.profiler.sharded import sharded_profile
 
@@ -97,11 +95,7 @@ def profile_sharded(
           timeout_s=timeout_s, group=group)
     local, _ = profile_levels(model, sample_batch,
                               **settings.replace(tolerance=0.0, progress=False).as_kwargs())
-    counts = unit_type_counts(model, (u.type_name for u in local.units),
-                              [u.name for u in local.units])
-    sharded = sharded_profile(local, model)
-    local = dataclasses.replace(sharded, meta={**sharded.meta, UNIT_TYPE_COUNTS: counts})
-    return worst_profile(gather_profiles(local, group))
+    return worst_rank_profile(sharded_profile(local, model), model, group)
 
 
 def solve_sharded(
