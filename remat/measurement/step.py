@@ -151,11 +151,37 @@ def _cycles(runner: StepRunner, cycles: int, state: ModelState | None) -> None:
             state.restore_buffers()
 
 
+def _repeats_itself(runner: StepRunner) -> bool:
+    """Whether a step of the runner's loop leaves nothing but what the loop's variables
+    carry (:class:`Carry`) for the next: no optimizer (whose first step creates its
+    state, so the second starts with more), and gradients set to ``None`` by
+    ``zero_grad`` (zeroed in place, they stay alive into the next step). From the same
+    RNG state and buffers, the next step then runs as this one did, the carry aside."""
+    return runner.optimizer is None and runner.loop.set_to_none
+
+
 def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None) -> None:
     """What an instrument measures: ``steps + 1`` optimizer steps from nothing carried (the
     first gives the next what the loop carries into it). One step runs as
     :func:`_cycles` does; several run consecutively, as training runs them (RNG and
-    buffers advance too), so that memory that changes over the steps is seen."""
+    buffers advance too), so that memory that changes over the steps is seen.
+
+    One step of a loop that repeats itself (:func:`_repeats_itself`) runs as one step and
+    the next one's first forward: the carry (the last output and loss, and whatever their
+    graph still holds) differs from the first step only until the new output and loss
+    replace it, at the end of that forward; from there the second step is the first
+    again, from the same state. So its backward is not run twice (a planned step's
+    forward is about a third of it)."""
+    if steps == 1 and state is not None and _repeats_itself(runner):
+        carry = Carry()
+        runner.optimizer_step_cycle(carry)
+        state.rng.restore()
+        state.restore_buffers()
+        output, loss = runner.forward()  # with the carry alive, as the loop holds it
+        del output, loss, carry  # the forward's graph with them: the step ends here
+        state.rng.restore()
+        state.restore_buffers()
+        return
     _cycles(runner, steps + 1, state if steps == 1 else None)
 
 
@@ -184,6 +210,7 @@ def measure_step(
     restore: bool = True,
     time_within: int | None = None,
     steps: int = 1,
+    held: bool = True,
 ) -> StepMeasurement:
     """Measure one real training step of ``model`` as it is (with or without a plan applied).
 
@@ -224,6 +251,8 @@ def measure_step(
             them (after the one that carries into the first); more than 1 catches memory
             that changes over training (a branch that turns on at step k). They run as
             training does: RNG and buffers advance from one to the next.
+        held: also measure ``held_after_forward_bytes`` (one more forward under the
+            dispatch-level meter); ``False`` where only the peak is wanted (verification).
 
     Raises:
         LossNotFoundError: no ``loss_fn`` and the output has no ``.loss``.
@@ -245,7 +274,7 @@ def measure_step(
     loop = loop_or_default(loop)
     device = model_device(model)
     watch = Stopwatch(device)
-    peak = alloc_peak = reserved = cuda_peak = held = time_ms = None
+    peak = alloc_peak = reserved = cuda_peak = held_bytes = time_ms = None
     with _session(model, optimizer, restore) as state:
         runner = StepRunner(call if call is not None else model, sample_batch, loss_fn,
                             optimizer, loop, device.type)
@@ -271,19 +300,20 @@ def measure_step(
             alloc_peak = resident + timeline.rise(0, 1)
             if device.type == "cuda":
                 reserved = torch.cuda.max_memory_reserved()
-        if meter:
+        if meter and held:
             with MemoryMeter(device_type=device.type) as dispatch:
                 output, loss = runner.forward()
                 if not loop.keep_output:
                     output = None
-                held = dispatch.live_bytes
+                held_bytes = dispatch.live_bytes
             # Both go now: the forward's graph (what it saved) lives as long as either.
             del output, loss
             clear_grads(runner.params)
         worst = max(peak or 0, alloc_peak or 0)
         if repeats and state is not None and (time_within is None or worst <= time_within):
             time_ms = time_steps(runner, state, watch, warmup=0, repeats=repeats).step_ms
-    result = StepMeasurement(resident, peak, alloc_peak, reserved, cuda_peak, held, time_ms)
+    result = StepMeasurement(resident, peak, alloc_peak, reserved, cuda_peak, held_bytes,
+                             time_ms)
     log.info("measured step (%s): peak %s B (allocator %s B, resident %d B), %s ms",
              loop.describe(), peak, alloc_peak, resident, time_ms)
     return result
