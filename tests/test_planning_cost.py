@@ -68,13 +68,49 @@ def test_verification_without_an_optimizer_runs_one_backward(keep_output: bool) 
         counts.forwards = counts.backwards = 0
         short = measure_plan(model, x, plan, loss_fn=loss_fn, optimizer=None, loop=loop)
         assert (counts.forwards, counts.backwards) == (2, 1)
-        whole = pytest.MonkeyPatch.context()
-        with whole as patch:
+        with pytest.MonkeyPatch.context() as patch:
             patch.setattr(step_module, "_repeats_itself", lambda _runner: False)
             full = measure_plan(model, x, plan, loss_fn=loss_fn, optimizer=None, loop=loop)
     assert (short.peak_bytes, short.allocator_peak_bytes) == (
         full.peak_bytes, full.allocator_peak_bytes)
     assert short.held_after_forward_bytes is None  # not asked for: one forward less
+
+
+
+class _Stashing(nn.Module):
+    """Keeps the gradient of its hidden layer from one backward to the next (a gradient
+    tracker): memory that outlives the loop's variables into the next step's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+        self.stash: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body[:2](x)
+        if h.requires_grad:
+            h.register_hook(lambda g: self.stash.__setitem__(slice(None), [g * 2]))
+        return self.body[2:](h)
+
+
+def test_verification_runs_a_whole_second_step_where_memory_outlives_the_loop() -> None:
+    """Where something made in the step outlives the loop's variables, the second step's
+    backward runs with it: a whole step more, and the peak of two whole steps."""
+    model, x = _Stashing(), torch.randn(256, 64)
+    units = ["body.0", "body.1", "body.2", "body.3"]
+    with _counting(model) as (counts, loss_fn):
+        plan = remat.solve(model, x, None, method="all", loss_fn=loss_fn, units=units,
+                           verify=False)
+        counts.forwards = counts.backwards = 0
+        model.stash.clear()
+        short = measure_plan(model, x, plan, loss_fn=loss_fn, optimizer=None, loop=Loop())
+        assert (counts.forwards, counts.backwards) == (3, 2)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(step_module, "_repeats_itself", lambda _runner: False)
+            model.stash.clear()
+            full = measure_plan(model, x, plan, loss_fn=loss_fn, optimizer=None, loop=Loop())
+    assert short.peak_bytes >= full.peak_bytes
+    assert short.allocator_peak_bytes >= full.allocator_peak_bytes
 
 
 def test_verification_with_an_optimizer_runs_two_steps() -> None:

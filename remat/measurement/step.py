@@ -160,29 +160,45 @@ def _repeats_itself(runner: StepRunner) -> bool:
     return runner.optimizer is None and runner.loop.set_to_none
 
 
-def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None) -> None:
+def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
+                     dispatch: MemoryMeter | None) -> None:
     """What an instrument measures: ``steps + 1`` optimizer steps from nothing carried (the
     first gives the next what the loop carries into it). One step runs as
     :func:`_cycles` does; several run consecutively, as training runs them (RNG and
     buffers advance too), so that memory that changes over the steps is seen.
 
-    One step of a loop that repeats itself (:func:`_repeats_itself`) runs as one step and
-    the next one's first forward: the carry (the last output and loss, and whatever their
-    graph still holds) differs from the first step only until the new output and loss
-    replace it, at the end of that forward; from there the second step is the first
-    again, from the same state. So its backward is not run twice (a planned step's
-    forward is about a third of it)."""
-    if steps == 1 and state is not None and _repeats_itself(runner):
-        carry = Carry()
-        runner.optimizer_step_cycle(carry)
-        state.rng.restore()
-        state.restore_buffers()
-        output, loss = runner.forward()  # with the carry alive, as the loop holds it
-        del output, loss, carry  # the forward's graph with them: the step ends here
-        state.rng.restore()
-        state.restore_buffers()
+    One step of a loop that repeats itself (:func:`_repeats_itself`), with the
+    dispatch-level meter on, runs as one step and the next one's first forward: the carry
+    (the last output and loss, and whatever their graph still holds) differs from the
+    first step only until the new output and loss replace it, at the end of that forward;
+    from there the second step is the first again, from the same state, so its backward
+    is not run twice (a planned step's forward is about a third of it). That holds where
+    nothing else outlives the loop's variables, which the meter tells (nothing made in
+    the region alive once they are dropped); where something does (a cache made lazily, a
+    tensor a backward hook keeps), it is alive through the second step's backward too, and
+    a whole step runs with it."""
+    if steps == 1 and state is not None and dispatch is not None and _repeats_itself(runner):
+        _step_then_forward(runner, state)
+        if dispatch.live_bytes == 0:
+            return
+        log.debug("measured step: %d B outlive the loop's variables; one more whole step",
+                  dispatch.live_bytes)
+        _cycles(runner, 1, state)
         return
     _cycles(runner, steps + 1, state if steps == 1 else None)
+
+
+def _step_then_forward(runner: StepRunner, state: ModelState) -> None:
+    """One optimizer step of the loop, then the next one's first forward with the carry
+    alive, as the loop holds it; everything dropped at the end, RNG and buffers put back."""
+    carry = Carry()
+    runner.optimizer_step_cycle(carry)
+    state.rng.restore()
+    state.restore_buffers()
+    output, loss = runner.forward()
+    del output, loss, carry  # the forward's graph with them
+    state.rng.restore()
+    state.restore_buffers()
 
 
 @contextlib.contextmanager
@@ -291,7 +307,7 @@ def measure_step(
                 timeline.mark()
             if dispatch is not None:
                 stack.enter_context(dispatch)
-            _measured_cycles(runner, steps, state)
+            _measured_cycles(runner, steps, state, dispatch)
             if timeline is not None:
                 timeline.mark()
         if dispatch is not None:
