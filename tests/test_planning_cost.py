@@ -18,6 +18,10 @@ from torch import nn
 import remat
 import remat.measurement.step as step_module
 from remat.core.loop import Loop
+from remat.measurement.runner import StepRunner
+from remat.measurement.state import training_session
+from remat.measurement.timing import Stopwatch
+from remat.profiler.outside_time import time_outside
 from remat.tune.verify import measure_plan
 
 
@@ -125,3 +129,43 @@ def test_verification_with_an_optimizer_runs_two_steps() -> None:
         measure_plan(model, x, plan, loss_fn=loss_fn, optimizer=optimizer, loop=Loop())
     assert (counts.forwards, counts.backwards) == (2, 2)
 
+
+class _Watch(Stopwatch):
+    """Runs the work and says it took 10, 12 or 11 ms, by turns (a spread of 10 to 20% of
+    the outside code's time, 0.2% of a step whose units take 1 s)."""
+
+    calls = 0
+
+    def time(self, fn):  # noqa: ANN001, ANN202
+        self.calls += 1
+        return fn(), (10.0, 12.0, 11.0)[self.calls % 3]
+
+
+def _stub_steps(units_ms: float) -> int:
+    """How many stub steps :func:`time_outside` runs (warm-up and metered ones included)."""
+    model, x = _model(), torch.randn(8, 64)
+    units = list(model)
+    with _counting(model) as (counts, loss_fn), training_session(model) as state:
+        runner = StepRunner(model, x, loss_fn, None, Loop(), "cpu")
+        time_outside(runner, units, state, _Watch(torch.device("cpu")), warmup=1, repeats=3,
+                     tolerance=0.05, units_ms=units_ms)
+    return counts.forwards
+
+
+def test_outside_time_is_judged_against_the_step() -> None:
+    """The outside code's samples settle once their spread is small against the step
+    (units included), not against the outside code alone: two timed steps, not three."""
+    assert _stub_steps(units_ms=0.0) == 1 + 3
+    assert _stub_steps(units_ms=1000.0) == 1 + 2
+
+
+def test_metered_optimizer_steps_are_the_outside_warm_up() -> None:
+    """With an optimizer, the metered stub steps (two whole, one per parameter) warm the
+    outside code up: no un-timed step after them."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _counting(model) as (counts, loss_fn), training_session(model, optimizer) as state:
+        runner = StepRunner(model, torch.randn(8, 64), loss_fn, optimizer, Loop(), "cpu")
+        time_outside(runner, list(model), state, _Watch(torch.device("cpu")), warmup=1,
+                     repeats=3, tolerance=0.05, units_ms=1000.0)
+    assert counts.forwards == 3 + 2
