@@ -21,7 +21,10 @@ from remat.core.loop import Loop
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import training_session
 from remat.measurement.timing import Stopwatch
+from remat.profiler.capture import trace_units
 from remat.profiler.outside_time import time_outside
+from remat.profiler.replay import time_unit
+from remat.profiler.units import discover_units
 from remat.tune.verify import measure_plan
 
 
@@ -169,3 +172,28 @@ def test_metered_optimizer_steps_are_the_outside_warm_up() -> None:
         time_outside(runner, list(model), state, _Watch(torch.device("cpu")), warmup=1,
                      repeats=3, tolerance=0.05, units_ms=1000.0)
     assert counts.forwards == 3 + 2
+
+
+class _SplitWatch(Stopwatch):
+    """Says keep takes 10 + 20 ms every round, and selective 35 ms in all, split 10 + 25
+    and 14 + 21 by turns (a round times keep's forward and backward, then selective's)."""
+
+    calls = 0
+
+    def time(self, fn):  # noqa: ANN001, ANN202
+        self.calls += 1
+        round_, k = divmod(self.calls - 1, 4)
+        selective = ((10.0, 25.0), (14.0, 21.0))[round_ % 2]
+        return fn(), (10.0, 20.0, *selective)[k]
+
+
+def test_an_options_split_it_does_not_use_does_not_hold_its_timing() -> None:
+    """An option's extra time is its total less keep's: its forward/backward split may
+    vary, and its samples still settle once the totals agree (two rounds of three)."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    x = torch.randn(8, 32)
+    trace = trace_units(model, discover_units(model, None), lambda: model(x).sum())
+    runner = StepRunner(model, x, lambda out, _: out.sum(), None, Loop(), "cpu")
+    samples = time_unit(trace.calls["1"], ["keep", "selective"], runner,
+                        _SplitWatch(torch.device("cpu")), warmup=0, repeats=3, tolerance=0.05)
+    assert samples.rounds == 2
