@@ -240,8 +240,11 @@ def measure_step(
     only such storages, and the CPU profiler reports no frees of blocks allocated before
     it started). Without a warm-up the first of them creates the optimizer's state, as a
     training run's first step does: what the step holds from its start
-    (``resident_bytes``) is read before it. The time is the median of ``repeats``
-    un-metered steps. Parameters, buffers, gradients, RNG state, train/eval modes and the
+    (``resident_bytes``) is read before it. Where the loop repeats itself (no optimizer,
+    gradients set to ``None``) and nothing made in the first step outlives the loop's
+    variables, the second runs only as far as its first forward, where what the first
+    carries into it is let go (:func:`_measured_cycles`): the same peak, one backward
+    less. The time is the median of ``repeats`` un-metered steps. Parameters, buffers, gradients, RNG state, train/eval modes and the
     optimizer state are restored afterwards, also when the step raises.
 
     Args:
