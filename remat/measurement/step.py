@@ -244,8 +244,9 @@ def measure_step(
     gradients set to ``None``) and nothing made in the first step outlives the loop's
     variables, the second runs only as far as its first forward, where what the first
     carries into it is let go (:func:`_measured_cycles`): the same peak, one backward
-    less. The time is the median of ``repeats`` un-metered steps. Parameters, buffers, gradients, RNG state, train/eval modes and the
-    optimizer state are restored afterwards, also when the step raises.
+    less. The time is the median of ``repeats`` un-metered steps. Parameters, buffers,
+    gradients, RNG state, train/eval modes and the optimizer state are restored
+    afterwards, also when the step raises.
 
     Args:
         model: the module to train.
