@@ -212,13 +212,24 @@ def main(argv: Any = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    rows = [row_for(key, args.runs, args.repeats) for key in args.models]
+    rows: list[dict[str, str]] = []
+    for key in args.models:
+        rows.append(row_for(key, args.runs, args.repeats))
+        # Written after every model, so that a run cut short keeps the rows it measured.
+        _write(args, rows, time.perf_counter() - start, done=len(rows) == len(args.models))
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, str]], seconds: float,
+           done: bool) -> None:
+    """The table of ``rows`` and its header, to ``args.out``."""
+    models = "" if args.models == list(CASES) else " --models " + " ".join(args.models)
+    partial = "" if done else f"; cut short: {len(rows)} of {len(args.models)} models"
     header = (
         "# What planning costs\n\n"
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; machine: "
         f"{machine_line(args.threads)}\n"
         f"- command: `.venv/bin/python benchmarks/profile_cost.py --runs {args.runs} "
-        f"--repeats {args.repeats}` ({time.perf_counter() - start:.0f} s)\n"
+        f"--repeats {args.repeats}{models}` ({seconds:.0f} s{partial})\n"
         "- budget: the smallest feasible peak plus 10% of the range up to the no-checkpoint "
         "peak; unplanned: the peak of the model's own step (both instruments, measured "
         "apart); the reference models in a plain loop, Qwen2 in a Trainer-style loop\n"

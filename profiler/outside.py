@@ -149,7 +149,7 @@ def _measure(
         with chunked_head(runner.model, site, chunks):
             times = time_outside(runner, modules, state, watch, warmup=timed.warmup,
                                  repeats=timed.repeats, tolerance=timed.tolerance,
-                                 optimizer=first is None)
+                                 optimizer=first is None, units_ms=timed.units_ms)
             state.rng.restore()
             state.restore_buffers()
             watch.sync()

@@ -77,17 +77,25 @@ def time_outside(
     repeats: int,
     tolerance: float = 0.0,
     optimizer: bool = True,
+    units_ms: float = 0.0,
 ) -> OutsideTimes:
     """Run stub steps of the runner's loop (see the module docstring): with an optimizer
     two metered ones first, then ``warmup`` un-timed and up to ``repeats`` timed ones
     (fewer once the samples settle within ``tolerance``). ``optimizer=False`` leaves
     the optimizer out (its figures 0, no parameter's step metered): a variant of the
-    outside code (a chunked head) changes the micro-batch, not the optimizer's step."""
+    outside code (a chunked head) changes the micro-batch, not the optimizer's step.
+
+    The metered steps are whole stub steps, so they are the warm-up runs too (as a unit's
+    metered replay is its first warm-up run). The tolerance is a fraction of the step's
+    time, the units' own (``units_ms``) included: the outside code of a CNN (a pooling
+    and a linear layer, 1% of its step) would otherwise need its spread within 5% of its
+    own few milliseconds, and take every repeat for a figure the step hardly sees."""
     stepping = optimizer and runner.optimizer is not None
     steps, why = (_param_steps(runner) if stepping else
                   (None, "no optimizer" if runner.optimizer is None else "not in this run"))
     whole = 2 if stepping else 0  # metered whole steps
     metered = whole + (steps is not None)
+    warmup = max(warmup - metered, 0)
     param_peaks: dict[int, int] = {}
     fwd: list[float] = []
     bwd: list[float] = []
@@ -124,7 +132,8 @@ def time_outside(
                 bwd.append(b_ms)
                 opt.append(o_ms)
                 total.append(fwd[-1] + b_ms + o_ms)
-                if parts_settled(total, fwd, bwd, repeats=repeats, tolerance=tolerance):
+                if parts_settled(total, fwd, bwd, repeats=repeats, tolerance=tolerance,
+                                 scale=min(total) + units_ms):
                     break
     clear_grads(state.params)
     state_bytes = optimizer_state_bytes(runner.optimizer) if stepping else 0

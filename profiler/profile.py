@@ -425,11 +425,14 @@ def _outside_passes(run: _Profiling, ordered: list[tuple[str, nn.Module]], is_ch
     settings = run.settings
     trained = {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
                if name in measurer.trained}
+    # The rest of the step the outside code is part of: the tolerance is of the step.
+    units_ms = sum(measurer.timings[name].total_ms.get(Option.KEEP.value, 0.0)
+                   for name, _ in ordered)
     with _out_of_memory_is_named("the code outside the units"):
         run.bar.step("outside steps")
         return measure_outside(
             run.runner, ordered, is_chain=is_chain, state=run.state, watch=run.watch,
-            timed=TimedRuns(settings.warmup, settings.repeats, settings.tolerance),
+            timed=TimedRuns(settings.warmup, settings.repeats, settings.tolerance, units_ms),
             trained=trained, site=site,
             unit_figures=[measurer.figures[name] for name, _ in ordered],
             variants_needed=needed)

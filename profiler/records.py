@@ -358,11 +358,14 @@ class HeadFinding:
 
 @dataclass(frozen=True)
 class TimedRuns:
-    """How the stub steps are timed: ``profile()``'s ``warmup``, ``repeats``, ``tolerance``."""
+    """How the stub steps are timed: ``profile()``'s ``warmup``, ``repeats``, ``tolerance``,
+    and the units' own time in a step (their replays'), the rest of the step whose time
+    the tolerance is a fraction of."""
 
     warmup: int
     repeats: int
     tolerance: float
+    units_ms: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -371,11 +371,17 @@ class TimingSamples:
         self.bwd[option].append(bwd_ms)
 
     def settled(self, repeats: int, tolerance: float) -> bool:
-        """Every option's forward, backward and total pin their medians of ``repeats``
-        to within ``tolerance`` times the option's total (:func:`parts_settled`)."""
+        """Every figure the profile takes pins its median of ``repeats`` to within
+        ``tolerance`` times the option's total (:func:`parts_settled`): keep's forward,
+        backward and total (checkpoint's extra time is keep's forward), and the other
+        options' totals, whose split the profile does not use (an option's extra time
+        is its total less keep's)."""
+        def parts(o: str) -> tuple[list[float], ...]:
+            return (self.fwd[o], self.bwd[o]) if o == Option.KEEP.value else ()
+
         return all(
-            parts_settled([f + b for f, b in zip(self.fwd[o], self.bwd[o])], self.fwd[o],
-                          self.bwd[o], repeats=repeats, tolerance=tolerance)
+            parts_settled([f + b for f, b in zip(self.fwd[o], self.bwd[o])], *parts(o),
+                          repeats=repeats, tolerance=tolerance)
             for o in self.options
         )
 

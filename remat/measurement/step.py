@@ -151,12 +151,54 @@ def _cycles(runner: StepRunner, cycles: int, state: ModelState | None) -> None:
             state.restore_buffers()
 
 
-def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None) -> None:
+def _repeats_itself(runner: StepRunner) -> bool:
+    """Whether a step of the runner's loop leaves nothing but what the loop's variables
+    carry (:class:`Carry`) for the next: no optimizer (whose first step creates its
+    state, so the second starts with more), and gradients set to ``None`` by
+    ``zero_grad`` (zeroed in place, they stay alive into the next step). From the same
+    RNG state and buffers, the next step then runs as this one did, the carry aside."""
+    return runner.optimizer is None and runner.loop.set_to_none
+
+
+def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
+                     dispatch: MemoryMeter | None) -> None:
     """What an instrument measures: ``steps + 1`` optimizer steps from nothing carried (the
     first gives the next what the loop carries into it). One step runs as
     :func:`_cycles` does; several run consecutively, as training runs them (RNG and
-    buffers advance too), so that memory that changes over the steps is seen."""
+    buffers advance too), so that memory that changes over the steps is seen.
+
+    One step of a loop that repeats itself (:func:`_repeats_itself`), with the
+    dispatch-level meter on, runs as one step and the next one's first forward: the carry
+    (the last output and loss, and whatever their graph still holds) differs from the
+    first step only until the new output and loss replace it, at the end of that forward;
+    from there the second step is the first again, from the same state, so its backward
+    is not run twice (a planned step's forward is about a third of it). That holds where
+    nothing else outlives the loop's variables, which the meter tells (nothing made in
+    the region alive once they are dropped); where something does (a cache made lazily, a
+    tensor a backward hook keeps), it is alive through the second step's backward too, and
+    a whole step runs with it."""
+    if steps == 1 and state is not None and dispatch is not None and _repeats_itself(runner):
+        _step_then_forward(runner, state)
+        if dispatch.live_bytes == 0:
+            return
+        log.debug("measured step: %d B outlive the loop's variables; one more whole step",
+                  dispatch.live_bytes)
+        _cycles(runner, 1, state)
+        return
     _cycles(runner, steps + 1, state if steps == 1 else None)
+
+
+def _step_then_forward(runner: StepRunner, state: ModelState) -> None:
+    """One optimizer step of the loop, then the next one's first forward with the carry
+    alive, as the loop holds it; everything dropped at the end, RNG and buffers put back."""
+    carry = Carry()
+    runner.optimizer_step_cycle(carry)
+    state.rng.restore()
+    state.restore_buffers()
+    output, loss = runner.forward()
+    del output, loss, carry  # the forward's graph with them
+    state.rng.restore()
+    state.restore_buffers()
 
 
 @contextlib.contextmanager
@@ -184,6 +226,7 @@ def measure_step(
     restore: bool = True,
     time_within: int | None = None,
     steps: int = 1,
+    held: bool = True,
 ) -> StepMeasurement:
     """Measure one real training step of ``model`` as it is (with or without a plan applied).
 
@@ -197,9 +240,13 @@ def measure_step(
     only such storages, and the CPU profiler reports no frees of blocks allocated before
     it started). Without a warm-up the first of them creates the optimizer's state, as a
     training run's first step does: what the step holds from its start
-    (``resident_bytes``) is read before it. The time is the median of ``repeats``
-    un-metered steps. Parameters, buffers, gradients, RNG state, train/eval modes and the
-    optimizer state are restored afterwards, also when the step raises.
+    (``resident_bytes``) is read before it. Where the loop repeats itself (no optimizer,
+    gradients set to ``None``) and nothing made in the first step outlives the loop's
+    variables, the second runs only as far as its first forward, where what the first
+    carries into it is let go (:func:`_measured_cycles`): the same peak, one backward
+    less. The time is the median of ``repeats`` un-metered steps. Parameters, buffers,
+    gradients, RNG state, train/eval modes and the optimizer state are restored
+    afterwards, also when the step raises.
 
     Args:
         model: the module to train.
@@ -224,6 +271,8 @@ def measure_step(
             them (after the one that carries into the first); more than 1 catches memory
             that changes over training (a branch that turns on at step k). They run as
             training does: RNG and buffers advance from one to the next.
+        held: also measure ``held_after_forward_bytes`` (one more forward under the
+            dispatch-level meter); ``False`` where only the peak is wanted (verification).
 
     Raises:
         LossNotFoundError: no ``loss_fn`` and the output has no ``.loss``.
@@ -245,7 +294,7 @@ def measure_step(
     loop = loop_or_default(loop)
     device = model_device(model)
     watch = Stopwatch(device)
-    peak = alloc_peak = reserved = cuda_peak = held = time_ms = None
+    peak = alloc_peak = reserved = cuda_peak = held_bytes = time_ms = None
     with _session(model, optimizer, restore) as state:
         runner = StepRunner(call if call is not None else model, sample_batch, loss_fn,
                             optimizer, loop, device.type)
@@ -262,7 +311,7 @@ def measure_step(
                 timeline.mark()
             if dispatch is not None:
                 stack.enter_context(dispatch)
-            _measured_cycles(runner, steps, state)
+            _measured_cycles(runner, steps, state, dispatch)
             if timeline is not None:
                 timeline.mark()
         if dispatch is not None:
@@ -271,19 +320,20 @@ def measure_step(
             alloc_peak = resident + timeline.rise(0, 1)
             if device.type == "cuda":
                 reserved = torch.cuda.max_memory_reserved()
-        if meter:
+        if meter and held:
             with MemoryMeter(device_type=device.type) as dispatch:
                 output, loss = runner.forward()
                 if not loop.keep_output:
                     output = None
-                held = dispatch.live_bytes
+                held_bytes = dispatch.live_bytes
             # Both go now: the forward's graph (what it saved) lives as long as either.
             del output, loss
             clear_grads(runner.params)
         worst = max(peak or 0, alloc_peak or 0)
         if repeats and state is not None and (time_within is None or worst <= time_within):
             time_ms = time_steps(runner, state, watch, warmup=0, repeats=repeats).step_ms
-    result = StepMeasurement(resident, peak, alloc_peak, reserved, cuda_peak, held, time_ms)
+    result = StepMeasurement(resident, peak, alloc_peak, reserved, cuda_peak, held_bytes,
+                             time_ms)
     log.info("measured step (%s): peak %s B (allocator %s B, resident %d B), %s ms",
              loop.describe(), peak, alloc_peak, resident, time_ms)
     return result

@@ -42,12 +42,14 @@ def settled(samples: Sequence[float], *, repeats: int, tolerance: float, scale: 
 
 
 def parts_settled(totals: Sequence[float], *parts: Sequence[float], repeats: int,
-                  tolerance: float) -> bool:
+                  tolerance: float, scale: float | None = None) -> bool:
     """A total and its parts (forward, backward...) all :func:`settled`, each to within
-    ``tolerance`` times the smallest total (so a small part is judged against the whole)."""
+    ``tolerance`` times the smallest total (so a small part is judged against the whole),
+    or times ``scale`` where given (a figure that is part of a larger whole: the code
+    outside the units, judged against the step it is part of)."""
     if not totals:
         return False
-    scale = min(totals)
+    scale = min(totals) if scale is None else scale
     return all(settled(v, repeats=repeats, tolerance=tolerance, scale=scale)
                for v in (totals, *parts))
 
