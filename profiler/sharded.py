@@ -27,8 +27,12 @@ the model (:mod:`remat.execute.sharding`):
   outlive the hooks that made them, by a varying amount from step to step. One unit
   covered every run on a quiet machine; on a loaded one (the test suite beside other
   work, 2026-11-25) steps measured one unit more than that, 200 KB over the prediction
-  and 0.5% over a budget at the smallest feasible peak, so two are counted: a promise
-  must hold when the machine is busy too.
+  and 0.5% over a budget at the smallest feasible peak, so two were counted; once the
+  meter stopped counting a collective's output, which is its output argument, as new
+  bytes a second time (c10d works in place), the allocator's worst run on 2 gloo ranks
+  was 1.1% over a prediction with two (gloo's own buffers of a collective, which no
+  dispatch-level meter sees), and on 4 ranks a third unit was alive at one plan's
+  peak: three are counted. A promise must hold when the machine is busy too.
 
 The outside figures (the root's code: embeddings, the head) are measured as they ran,
 under the root's FSDP2 state. FSDP2 frees a unit's gathered parameters by resizing their
@@ -54,7 +58,7 @@ from remat.execute.sharding import ShardedUnit, sharded_unit, world_size
 
 __all__ = ["IN_FLIGHT", "sharded_profile"]
 
-IN_FLIGHT = 2  # units' gathered parameters counted in flight throughout (module docstring)
+IN_FLIGHT = 3  # units' gathered parameters counted in flight throughout (module docstring)
 
 
 def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
