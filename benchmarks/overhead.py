@@ -23,7 +23,6 @@ Prints a markdown table and writes it to benchmarks/results/overhead.md.
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import datetime as dt
 import os
@@ -42,11 +41,11 @@ import torch.nn.functional as F  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
 from peers_variants import CheckpointedSequential  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
 
 import remat  # noqa: E402
 from remat.core import mib  # noqa: E402
+from remat.measurement import OpCounter  # noqa: E402
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -119,14 +118,6 @@ class GPT2CheckpointSequential(nn.Module):
 
 
 # --------------------------------------------------------------------------- measuring
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
@@ -151,9 +142,9 @@ def op_counts(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[int
     in backward: the recomputation)."""
     for p in model.parameters():
         p.grad = None
-    with _OpCounter() as fwd:
+    with OpCounter() as fwd:
         loss = _loss(model, batch, loss_fn)
-    with _OpCounter() as bwd:
+    with OpCounter() as bwd:
         loss.backward()
     recomputed = sum(n for op, n in bwd.ops.items()
                      if op in fwd.ops and "backward" not in op and op not in _NOT_COMPUTE)

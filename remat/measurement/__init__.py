@@ -20,6 +20,7 @@ __all__, __getattr__ = lazy_names(__name__, {
     "simulated_device": ("SimulatedDevice",),
     "storage": ("resident_bytes",),
     "timing": ("Stopwatch",),
+    "op_count": ("OpCounter",),
     "state": ("clear_grads",),
     "runner": ("call_model", "compute_loss", "forward_loss", "model_device"),
     "step": ("StepMeasurement", "measure_step"),

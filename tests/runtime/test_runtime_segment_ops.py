@@ -12,29 +12,16 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint_sequential
 
 from remat import apply_plan
 from remat.core.errors import RematError
 from remat.core.plan import Plan
-
-
-class _Ops(TorchDispatchMode):
-    """Counts the aten ops that run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+from remat.measurement import OpCounter
 
 
 def _stack(layers: int = 8) -> nn.Sequential:
@@ -66,9 +53,9 @@ class _Peer(nn.Module):
 
 def _counted_step(model: nn.Module, x: torch.Tensor) -> tuple[collections.Counter[str], ...]:
     torch.manual_seed(1)
-    with _Ops() as fwd:
+    with OpCounter() as fwd:
         loss = model(x).pow(2).mean()
-    with _Ops() as bwd:
+    with OpCounter() as bwd:
         loss.backward()
     return fwd.ops, bwd.ops
 
