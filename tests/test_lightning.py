@@ -110,3 +110,35 @@ def test_the_loop_follows_precision() -> None:
                         logger=False)
     loop = lightning_loop(trainer)
     assert (loop.autocast, loop.accumulation_steps, loop.keep_output) == ("bfloat16", 3, False)
+
+
+def test_the_step_runs_inside_the_wrappers_forward_and_leaves_the_forward_as_it_was() -> None:
+    """Under DDPStrategy the callback runs the step inside the wrapper's forward, as
+    Lightning's forward redirection does; the module's forward is left as it was, an
+    instance ``forward`` someone installed (accelerate, a user patch) included."""
+    from remat.integrations.lightning import _redirected
+
+    class Wrapper(nn.Module):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+            self.calls = 0
+
+        def forward(self, *inputs):
+            self.calls += 1
+            return self.module(*inputs)
+
+    def step(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return module(batch).sum()  # the module's own forward, not the redirection
+
+    x = torch.randn(2, 4)
+    plain = nn.Linear(4, 3)
+    wrapper = Wrapper(plain)
+    assert torch.equal(_redirected(wrapper, plain, step, x), plain(x).sum())
+    assert wrapper.calls == 1 and "forward" not in vars(plain)
+
+    patched = nn.Linear(4, 3)
+    installed = patched.forward  # a bound method, as accelerate installs its wrapper
+    patched.forward = installed
+    assert torch.equal(_redirected(Wrapper(patched), patched, step, x), patched(x).sum())
+    assert vars(patched)["forward"] is installed

@@ -30,6 +30,11 @@ chunked head (the loss is not the model's). It finds the Trainer on the call sta
 accelerate's mixed-precision wrapper of ``model.forward`` stays in place: remat never
 replaces a forward (:mod:`remat.execute.lazy_logits`).
 
+**Distributed.** Where the Trainer trains through ``DistributedDataParallel`` (a
+``torchrun`` launch; on CPU, accelerate trains DDP over gloo), every rank's callback
+plans together through :mod:`remat.tune.replicated`: the gradient buckets counted, the
+verification's step run through the wrapper, one plan for every rank.
+
 The plan stays applied after training (evaluation and generation run without
 grad, where a plan costs nothing); ``remat.remove_plan(model)`` takes it off.
 
@@ -53,6 +58,7 @@ from remat.core.loop import Loop
 from remat.core.settings import ProfilingSettings, Verify, verify_setting
 from remat.integrations.common import CallbackSettings, IntegrationError, RunReport, solve_plan
 from remat.measurement.step_meter import StepMeter, unwrap_optimizer
+from remat.tune.replicated import ReplicatedStep
 
 __all__ = ["RematCallback"]
 
@@ -99,18 +105,38 @@ def _loss_outside_the_model(trainer: Trainer | None, args: Any) -> tuple[Trainer
     return None
 
 
-class _TrainerLoss(nn.Module):
+class _TrainerLoss(ReplicatedStep):
     """The Trainer's ``compute_loss`` as a module remat can profile: its units are the
-    model's own (under ``model.``), its output the loss."""
+    model's own (under ``model.``), its output the loss. Under DDP (``replicated_by``:
+    the Trainer's wrapped model) the route of :mod:`remat.tune.replicated` runs it on the
+    wrapper, as the Trainer's ``training_step`` does."""
 
-    def __init__(self, model: nn.Module, trainer: Trainer) -> None:
-        super().__init__()
+    def __init__(self, model: nn.Module, trainer: Trainer,
+                 replicated_by: nn.parallel.DistributedDataParallel | None = None) -> None:
+        super().__init__(replicated_by)
         self.model = model
         self._trainer = trainer
 
-    def forward(self, batch: Any) -> torch.Tensor:
+    def step(self, batch: Any) -> torch.Tensor:
+        return self._loss(self.model, batch)
+
+    def step_through(self, ddp: nn.parallel.DistributedDataParallel,
+                     batch: Any) -> torch.Tensor:
+        return self._loss(ddp, batch)
+
+    def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs = dict(batch) if isinstance(batch, Mapping) else batch  # compute_loss pops
-        return self._trainer.compute_loss(self.model, inputs)
+        return self._trainer.compute_loss(model, inputs)
+
+
+def _trainer_ddp(trainer: Trainer | None,
+                 model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` wrapper the Trainer trains ``model`` through (what
+    accelerate made of it under a distributed launch, on CPU too), else ``None``."""
+    wrapped = getattr(trainer, "model_wrapped", None)
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel) and wrapped.module is model:
+        return wrapped
+    return None
 
 
 class RematCallback(TrainerCallback):
@@ -186,14 +212,18 @@ class RematCallback(TrainerCallback):
                                    "there is no batch to plan for") from None
         optimizer = unwrap_optimizer(kwargs.get("optimizer"))
         loop = Loop.hf_trainer(args)
-        outside = _loss_outside_the_model(_calling_trainer(), args)
+        calling = _calling_trainer()
+        ddp = _trainer_ddp(calling, model)
+        outside = _loss_outside_the_model(calling, args)
         if outside is None:
-            plan = solve_plan(model, batch, loop, optimizer, self.settings)
+            # Under DDP, through the wrapper: every rank plans together, buckets counted.
+            plan = solve_plan(model if ddp is None else ddp, batch, loop, optimizer,
+                              self.settings)
         else:
             trainer, why = outside
             log.info("remat: the Trainer computes the loss outside the model (%s): planning its "
                      "compute_loss, with the head as written", why)
-            wrapper = _TrainerLoss(model, trainer)
+            wrapper = _TrainerLoss(model, trainer, replicated_by=ddp)
             plan = solve_plan(wrapper, (batch,), loop, optimizer, self.settings,
                               loss_fn=lambda loss, _batch: loss, head="none")
             # The units were named inside the wrapper ("model.<name>"): name them in the model.
@@ -204,7 +234,8 @@ class RematCallback(TrainerCallback):
         apply_plan(model, plan)
         self.report = RunReport.of(plan, loop)
         log.info("%s", self.report.summary())
-        self._meter = StepMeter(model, optimizer)
+        # Through the wrapper, if any: its gradient buckets are part of the step.
+        self._meter = StepMeter(model if ddp is None else ddp, optimizer)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if (self._meter is not None and not self._meter.running and self.report is not None

@@ -29,6 +29,12 @@ the plan to the LightningModule in place. At optimizer step ``measure_step`` it
 measures the Trainer's own step. The figures are logged on the ``remat`` logger and
 kept in :attr:`RematCallback.report`; the plan stays applied after ``fit``
 (``remat.remove_plan(module)`` takes it off).
+
+**Distributed.** Under ``DDPStrategy`` every rank's callback plans together through
+:mod:`remat.tune.replicated`: the wrapper's gradient buckets counted, the verification's
+step run through the wrapper (its all-reduces), the worst rank's figures, one plan for
+every rank. Under ``ModelParallelStrategy`` (FSDP2) the sharded route
+(:mod:`remat.tune.sharded`) does the same for the sharded module.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from remat.core.loop import Loop
 from remat.core.settings import ProfilingSettings, Verify, verify_setting
 from remat.integrations.common import CallbackSettings, IntegrationError, RunReport, solve_plan
 from remat.measurement.step_meter import StepMeter, unwrap_optimizer
+from remat.tune.replicated import ReplicatedStep
 
 __all__ = ["RematCallback", "lightning_loop"]
 
@@ -73,6 +80,13 @@ def lightning_loop(trainer: Any) -> Loop:
                 set_to_none=False, autocast=autocast, grad_scaler=scaler)
 
 
+def _strategy_ddp(trainer: Any) -> nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` wrapper the Trainer's strategy trains through
+    (``DDPStrategy`` and its kin), else ``None``."""
+    model = getattr(trainer.strategy, "model", None)
+    return model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+
+
 def _default_step(module: Any, batch: Any) -> Any:
     return module.training_step(batch, 0)
 
@@ -87,17 +101,50 @@ def _the_loss(result: Any) -> torch.Tensor:
     return loss
 
 
-class _TrainingStep(nn.Module):
+class _TrainingStep(ReplicatedStep):
     """The LightningModule's training step as a module remat can profile: its units are
-    the module's own (under ``module.``), its output the loss."""
+    the module's own (under ``module.``), its output the loss. Under ``DDPStrategy``
+    (``replicated_by``: the strategy's wrapper) the route of :mod:`remat.tune.replicated`
+    runs it through the wrapper where Lightning would (:func:`_redirected`)."""
 
-    def __init__(self, module: nn.Module, step: StepFn) -> None:
-        super().__init__()
+    def __init__(self, module: nn.Module, step: StepFn,
+                 replicated_by: nn.parallel.DistributedDataParallel | None = None) -> None:
+        super().__init__(replicated_by)
         self.module = module
         self._step = step
 
-    def forward(self, batch: Any) -> torch.Tensor:
+    def step(self, batch: Any) -> torch.Tensor:
         return _the_loss(self._step(self.module, batch))
+
+    def step_through(self, ddp: nn.parallel.DistributedDataParallel,
+                     batch: Any) -> torch.Tensor:
+        return _the_loss(_redirected(ddp, self.module, self._step, batch))
+
+
+def _redirected(wrapper: nn.Module, module: nn.Module, step: StepFn, batch: Any) -> Any:
+    """``step(module, batch)`` run inside ``wrapper``'s forward, as Lightning's strategies
+    run ``training_step`` (their forward redirection): ``module.forward`` is swapped for
+    the step while the wrapper's forward runs, so the wrapper does what it does around
+    its module's forward (DDP: the Reducer's preparation for backward) around the step.
+    The swap is undone before the step runs (the step calls the module's own forward),
+    leaving ``module`` as it was (Lightning's own leaves its bound ``forward`` behind)."""
+    had, saved = "forward" in vars(module), vars(module).get("forward")
+
+    def undo() -> None:
+        if had:
+            vars(module)["forward"] = saved
+        else:
+            vars(module).pop("forward", None)
+
+    def forward(inputs: Any) -> Any:
+        undo()
+        return step(module, inputs)
+
+    vars(module)["forward"] = forward
+    try:
+        return wrapper(batch)
+    finally:
+        undo()
 
 
 @contextlib.contextmanager
@@ -179,7 +226,8 @@ class RematCallback(Callback):
         batch = self.batch if self.batch is not None else self._first_batch(trainer)
         optimizer = unwrap_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
         loop = lightning_loop(trainer)
-        wrapper = _TrainingStep(pl_module, self.step)
+        ddp = _strategy_ddp(trainer)
+        wrapper = _TrainingStep(pl_module, self.step, replicated_by=ddp)
         with _muted_logging(pl_module):
             plan = solve_plan(wrapper, (batch,), loop, optimizer, self.settings,
                               loss_fn=lambda loss, _batch: loss)
@@ -190,7 +238,9 @@ class RematCallback(Callback):
         apply_plan(pl_module, plan)
         self.report = RunReport.of(plan, loop)
         log.info("%s", self.report.summary())
-        self._meter = StepMeter(pl_module, optimizer, count_grads=False)
+        # Through the wrapper, if any: its gradient buckets are part of the step.
+        self._meter = StepMeter(ddp if ddp is not None else pl_module, optimizer,
+                                count_grads=False)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:

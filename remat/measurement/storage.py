@@ -103,9 +103,16 @@ def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> in
 
 
 def _reducer(model: nn.Module) -> Any:
-    """The ``DistributedDataParallel`` Reducer of ``model`` (``None``: not DDP-wrapped)."""
+    """The ``DistributedDataParallel`` Reducer of ``model`` (``None``: not DDP-wrapped).
+
+    ``model`` may be a trainer's step that runs through a DDP wrapper it does not hold as
+    a submodule (``remat.tune.replicated.ReplicatedStep``): it names the wrapper as its
+    ``replicated_by``."""
     ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
-    if ddp is None or not isinstance(model, ddp):
+    if ddp is None:
+        return None
+    model = getattr(model, "replicated_by", None) or model
+    if not isinstance(model, ddp):
         return None
     return getattr(model, "reducer", None)
 
@@ -137,7 +144,8 @@ def bucket_bytes(model: nn.Module, *, grads: bool = True) -> int:
     reducer = _reducer(model)
     if reducer is None:
         return 0
-    as_view = bool(getattr(model, "gradient_as_bucket_view", False))
+    wrapper = getattr(model, "replicated_by", None) or model
+    as_view = bool(getattr(wrapper, "gradient_as_bucket_view", False))
     total = 0
     for bucket in reducer._get_zeros_like_grad_buckets():
         nbytes = storage_nbytes(bucket.buffer())

@@ -8,16 +8,18 @@ program, so every rank calls ``remat.solve(ddp_model, batch, memory_budget=...)`
 1. **agree** on the call (:func:`remat.tune.ranks.agree`: a barrier with a timeout,
    then each rank's model, batch shapes, budget, loop and settings compared; a rank that
    differs is a ``RematError`` naming it, on every rank, not a hang);
-2. **settle** the wrapper (:func:`settle`): one forward and backward through DDP, its
-   all-reduces run by every rank alike, and the Reducer's bucket rebuild (DDP regroups
-   the buckets in gradient order at its second step) done now, so that neither the
+2. **settle** the wrapper (:func:`settle`): one forward and backward through DDP (two
+   with ``static_graph``), its all-reduces run by every rank alike, and the Reducer's
+   bucket rebuild (DDP regroups the buckets in gradient order at its second step, its
+   third with ``static_graph``) done now, so that neither the
    profile nor a measured step sees the wrapper's one-off first steps; the model is put
    back as it was;
-3. **profile** their own micro-batch on the module inside the wrapper (the Reducer's
-   hooks stay idle outside a DDP forward, so the profiler's replays run no collective),
-   and count what DDP adds to the rank's step (:func:`replicated_profile`): the
-   Reducer's gradient buckets, read off the live Reducer
-   (:func:`remat.measurement.storage.bucket_bytes`), held for the whole step. With
+3. **profile** their own micro-batch on the module inside the wrapper, or on a
+   trainer's step around it (:class:`ReplicatedStep`: the Lightning and Hugging Face
+   callbacks under DDP); the Reducer's hooks stay idle outside a DDP forward, so the
+   profiler's replays run no collective. Then count what DDP adds to the rank's step
+   (:func:`replicated_profile`): the Reducer's gradient buckets, read off the live
+   Reducer (:func:`remat.measurement.storage.bucket_bytes`), held for the whole step. With
    ``gradient_as_bucket_view=False`` they are a second copy of the gradients; with
    ``True`` the gradients are views of them, so the buckets replace the gradients the
    backward would allocate;
@@ -35,9 +37,10 @@ but for how much of it backward hides); the verified plan's measured step includ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -58,16 +61,67 @@ from remat.tune.ranks import (
     worst_rank_profile,
 )
 
-__all__ = ["is_replicated", "profile_replicated", "replicated_profile", "settle",
-           "solve_replicated"]
+__all__ = ["ReplicatedStep", "is_replicated", "profile_replicated", "replicated_profile",
+           "settle", "solve_replicated"]
 
 log = logging.getLogger("remat")
 
 DDP_BUCKET_BYTES = "ddp_bucket_bytes"  # Profile.meta: the buckets, counted with the buffers
 
 
+class ReplicatedStep(nn.Module):
+    """A trainer's training step, as a module remat can plan, over a module that a
+    ``DistributedDataParallel`` wrapper replicates: for trainers whose step is not the
+    wrapper's forward itself (Lightning redirects ``training_step`` through it, a Hugging
+    Face ``Trainer`` subclass's ``compute_loss`` calls it).
+
+    The route needs the step two ways: the profile replays units on the module directly
+    (no collective: ranks may time different numbers of runs), while settling the
+    wrapper and a measured step run it through the wrapper, as the trainer does (the
+    Reducer's hooks and all-reduces, on every rank alike). One module serves both, so
+    the units have one set of names: its forward runs :meth:`step`, and inside
+    :meth:`through_ddp` it runs :meth:`step_through` instead.
+
+    ``replicated_by`` is the wrapper (``None``: the trainer does not replicate the
+    module, and ``remat.solve`` takes its ordinary route); a plain attribute, not a
+    submodule, so the units stay named under the module alone. Subclasses: the callbacks
+    of :mod:`remat.integrations`.
+    """
+
+    def __init__(self, replicated_by: nn.parallel.DistributedDataParallel | None) -> None:
+        super().__init__()
+        self.__dict__["replicated_by"] = replicated_by  # not registered (see above)
+        self._through = False
+
+    def step(self, batch: Any) -> Any:
+        """The training step on the module itself (the profile's runs)."""
+        raise NotImplementedError
+
+    def step_through(self, ddp: nn.parallel.DistributedDataParallel, batch: Any) -> Any:
+        """The same step through ``ddp``'s forward, as the trainer runs it."""
+        raise NotImplementedError
+
+    def forward(self, batch: Any) -> Any:
+        ddp = self.replicated_by
+        if self._through and ddp is not None:
+            return self.step_through(ddp, batch)
+        return self.step(batch)
+
+    @contextlib.contextmanager
+    def through_ddp(self) -> Iterator[None]:
+        """Inside, the forward runs the step through the wrapper."""
+        before, self._through = self._through, True
+        try:
+            yield
+        finally:
+            self._through = before
+
+
 def _ddp(model: Any) -> nn.parallel.DistributedDataParallel | None:
-    """The ``DistributedDataParallel`` among ``model``'s wrappers (``None``: there is none)."""
+    """The ``DistributedDataParallel`` among ``model``'s wrappers, or the one a
+    :class:`ReplicatedStep` runs through (``None``: there is none)."""
+    if isinstance(model, ReplicatedStep):
+        return model.replicated_by
     while isinstance(model, nn.Module):
         if isinstance(model, nn.parallel.DistributedDataParallel):
             return model
@@ -78,8 +132,26 @@ def _ddp(model: Any) -> nn.parallel.DistributedDataParallel | None:
     return None
 
 
+def _profiled(model: nn.Module) -> nn.Module:
+    """The module the profile runs on (no collective): the one inside the wrapper, or the
+    step itself (:class:`ReplicatedStep`: its units are named as the plan names them)."""
+    return model if isinstance(model, ReplicatedStep) else unwrap(model)
+
+
+@contextlib.contextmanager
+def _through_wrapper(model: nn.Module) -> Iterator[nn.Module]:
+    """The module whose steps run through the wrapper, as training's do: the DDP model
+    itself, or the step in its :meth:`ReplicatedStep.through_ddp` mode."""
+    if isinstance(model, ReplicatedStep):
+        with model.through_ddp():
+            yield model
+    else:
+        yield model
+
+
 def is_replicated(model: Any) -> bool:
-    """Whether ``model`` is wrapped in ``DistributedDataParallel`` (perhaps compiled)."""
+    """Whether ``model`` is wrapped in ``DistributedDataParallel`` (perhaps compiled), or
+    is a :class:`ReplicatedStep` that runs through such a wrapper."""
     return _ddp(model) is not None
 
 
@@ -95,9 +167,11 @@ def _description(ddp: nn.parallel.DistributedDataParallel, batch: Any, budget: A
     return call_description(ddp, batch, budget, settings, ddp_call, group=ddp.process_group)
 
 
-def settle(ddp: nn.parallel.DistributedDataParallel, batch: Any,
+def settle(model: nn.Module, batch: Any,
            loss_fn: Callable[[Any, Any], Any] | None, loop: Loop | None) -> None:
     """Run DDP's first step and its bucket rebuild now, and put the model back.
+
+    ``model``: the DDP model, or a :class:`ReplicatedStep` (run through its wrapper).
 
     Why: DDP's first backward records the order gradients arrive in, and the next
     forward reallocates the buckets in that order. A measured region holding that forward
@@ -109,18 +183,27 @@ def settle(ddp: nn.parallel.DistributedDataParallel, batch: Any,
     from remat.measurement.runner import StepRunner, model_device
     from remat.measurement.state import clear_grads, training_session
 
-    with training_session(ddp) as state:
-        runner = StepRunner(ddp, batch, loss_fn, None, loop_or_default(loop),
-                            model_device(ddp).type)
-        output, loss = runner.forward()
-        del output
-        runner.backward(loss)
-        del loss
-        clear_grads(state.params)  # with bucket views, else copied into the new buckets
-        rebuilt = ddp.reducer._rebuild_buckets()
-        if rebuilt:
-            ddp._has_rebuilt_buckets = True  # as DDP's own forward records it
-    log.info("remat: DDP settled (buckets rebuilt now: %s)", rebuilt)
+    ddp = _ddp(model)
+    assert ddp is not None, "settle() needs a model DistributedDataParallel replicates"
+    # With ``static_graph`` the Reducer records the gradients' order at the second step,
+    # not the first (it delays the first step's all-reduces to its end): two steps. With
+    # ``find_unused_parameters`` (and no static graph) it never rebuilds: one step settles.
+    steps = 2 if getattr(ddp, "static_graph", False) else 1
+    rebuilt = False
+    with _through_wrapper(model) as stepped, training_session(stepped) as state:
+        runner = StepRunner(stepped, batch, loss_fn, None, loop_or_default(loop),
+                            model_device(stepped).type)
+        for _ in range(steps):
+            output, loss = runner.forward()
+            del output
+            runner.backward(loss)
+            del loss
+            clear_grads(state.params)  # with bucket views, else copied into the new buckets
+            rebuilt = ddp.reducer._rebuild_buckets()
+            if rebuilt:
+                ddp._has_rebuilt_buckets = True  # as DDP's own forward records it
+                break
+    log.info("remat: DDP settled in %d step(s) (buckets rebuilt now: %s)", steps, rebuilt)
 
 
 def _grads_held(part: OutsideCost, in_flight: int) -> OutsideCost:
@@ -177,8 +260,8 @@ def profile_replicated(
     group = _group(ddp)
     agree(_description(ddp, sample_batch, memory_budget, settings, call or {}),
           timeout_s=timeout_s, group=group)
-    settle(ddp, sample_batch, settings.loss_fn, settings.loop)
-    inner = unwrap(model)
+    settle(model, sample_batch, settings.loss_fn, settings.loop)
+    inner = _profiled(model)
     local, _ = profile_levels(inner, sample_batch,
                               **settings.replace(progress=False).as_kwargs())
     return worst_rank_profile(replicated_profile(local, ddp), inner, group)
@@ -223,6 +306,7 @@ def solve_replicated(
         plan = solve_at(memory_budget)
         if verify is not None and plan.budget_bytes is not None:
             # Through the wrapper: the buckets held, the all-reduces run on every rank.
-            plan = verified_on_ranks(ddp, sample_batch, prof, plan, settings, verify,
-                                     solve_at, group=group)
+            with _through_wrapper(model) as stepped:
+                plan = verified_on_ranks(stepped, sample_batch, prof, plan, settings,
+                                         verify, solve_at, group=group)
     return broadcast_plan(plan, group)
