@@ -55,11 +55,8 @@ MODELS: dict[str, tuple[dict[str, Any], str]] = {
 }
 SEGMENT_OPTIONS = ("keep", "checkpoint")
 NO_CHUNKED_HEAD = (
-    "No plan with the head chunked: remat's head check refuses it on the sharded models. On "
-    "the Llama-style model FSDP2's root registers its pre-backward hook on the model's "
-    "outputs, the logits among them (`register_hook`), which the check reads as a use of "
-    "the logits beyond their loss, so the whole logits would exist anyway; remat's GPT "
-    "computes no loss of its own from `labels` (a model opts in with `remat.head_loss`).")
+    "No plan with the head chunked: remat's head check passed on no model here (remat's GPT "
+    "computes no loss of its own from `labels`; a model opts in with `remat.head_loss`).")
 # The segments table also at a batch where activations, not the AdamW step, set the peak.
 ACTIVATION_HEAVY = {"batch_size": 8, "seq_len": 256}
 

@@ -53,7 +53,7 @@ import dataclasses
 from torch import nn
 
 from remat.core.errors import ProfileError
-from remat.core.profile import OptionCost, Profile
+from remat.core.profile import OptionCost, OutsideCost, Profile
 from remat.execute.sharding import ShardedUnit, sharded_unit, world_size
 
 __all__ = ["IN_FLIGHT", "sharded_profile"]
@@ -85,13 +85,24 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
         unit, options={name: _with_fsdp(cost, figures, i) for name, cost in unit.options.items()},
         param_grad_bytes=figures[i].shard_bytes)
         for i, unit in enumerate(profile.units)]
-    prefix = dataclasses.replace(
-        profile.prefix,
-        held_bytes=profile.prefix.held_bytes + in_flight + root,
-        fwd_peak_bytes=profile.prefix.fwd_peak_bytes + in_flight + root)
+    held = in_flight + root
+    head = profile.head
+    if head is not None:
+        # A chunked head's variant replaces the prefix (where the step's held bytes are
+        # counted): it holds the same buffers, which the variant's measurement left out.
+        head = dataclasses.replace(head, variants=tuple(
+            dataclasses.replace(v, prefix=_holding(v.prefix, held)) for v in head.variants))
     meta = {**profile.meta, "fsdp_world_size": world, "fsdp_per_rank": True,
             "fsdp_gathered_bytes": gathered, "fsdp_root_gathered_bytes": root}
-    return dataclasses.replace(profile, units=tuple(units), prefix=prefix, meta=meta)
+    return dataclasses.replace(profile, units=tuple(units), prefix=_holding(profile.prefix, held),
+                               head=head, meta=meta)
+
+
+def _holding(part: OutsideCost, nbytes: int) -> OutsideCost:
+    """The outside code's ``part`` with ``nbytes`` more held through the step (FSDP2's
+    buffers alive around every unit, counted from the prefix on)."""
+    return dataclasses.replace(part, held_bytes=part.held_bytes + nbytes,
+                               fwd_peak_bytes=part.fwd_peak_bytes + nbytes)
 
 
 def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int) -> OptionCost:

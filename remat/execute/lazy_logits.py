@@ -142,6 +142,10 @@ class LazyLogits(torch.Tensor):
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if lazy is not None and lazy._remat_real is None:
+            if name == "register_hook" and _fsdp_pre_backward(args, kwargs):
+                # FSDP2's root marks the backward's start on its outputs; the logits never
+                # join the graph, so the mark goes where their gradient would have led.
+                return lazy._remat_hidden.register_hook(*args[1:], **kwargs)
             if func is F.cross_entropy:
                 loss = lazy._fused_cross_entropy(*args[1:], **kwargs)
                 if loss is not None:
@@ -203,6 +207,24 @@ class LazyLogits(torch.Tensor):
                                          bias_add=self._remat_bias)
         head.use.fused += 1
         return loss
+
+
+def _fsdp_pre_backward(args: Any, kwargs: Any) -> bool:
+    """Whether ``logits.register_hook(hook)`` registers FSDP2's pre-backward hook, which
+    its root's post-forward puts on every output that requires grad.
+
+    That hook reads nothing of the gradient (it returns it as it came) and only marks the
+    start of the root's backward: it unshards the root's parameters (gathered since its
+    forward: the root does not reshard after it) and queues the callback that ends
+    FSDP2's backward. On lazy logits it is registered on the hidden states instead, whose
+    gradient the chunked loss's backward gives next: the mark comes there, or earlier
+    where another output (the model's own loss) carries it. Any other hook computes the
+    real logits, as before: it may read or change their gradient."""
+    hook = args[1] if len(args) > 1 else kwargs.get("hook")
+    owner = getattr(hook, "__self__", None)
+    return (getattr(hook, "__name__", "") == "_pre_backward"
+            and type(owner).__name__ == "FSDPState"
+            and type(owner).__module__.startswith("torch.distributed.fsdp"))
 
 
 def _descriptor(func: Callable[..., Any]) -> str:

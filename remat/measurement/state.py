@@ -27,6 +27,7 @@ import contextlib
 import copy
 import logging
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,6 +204,7 @@ class ModelState:
     _dicts: list[_ModuleDict] = field(default_factory=list)
     _rng: RngState | None = None
     _optimizer_state: OptimizerSnapshot | None = None
+    _sharded: list[nn.Module] = field(default_factory=list)  # FSDP2 modules sharded then
 
     @classmethod
     def capture(
@@ -226,6 +228,7 @@ class ModelState:
         s._buffers = [(b, b.detach().clone()) for b in model.buffers()]
         s._training = [(m, m.training) for m in model.modules()]
         s._dicts = [_ModuleDict.capture(m) for m in model.modules()]
+        s._sharded = _sharded_fsdp(model)
         s._rng = RngState.capture()
         if optimizer is not None:
             # Copied now, before a step updates the live state tensors in place.
@@ -258,6 +261,7 @@ class ModelState:
 
     def restore(self) -> None:
         """Put everything back as it was at :meth:`capture`."""
+        _reshard_fsdp(self._sharded)
         # Module dicts first: they put back the original parameter and buffer objects,
         # whose values are restored next.
         for module_dict in self._dicts:
@@ -273,6 +277,43 @@ class ModelState:
         self.rng.restore()
         log.debug("restored model state (%d params, %d buffers)", len(self.params),
                   len(self._buffers))
+
+
+def _sharded_fsdp(model: nn.Module) -> list[nn.Module]:
+    """``model``'s FSDP2 modules whose own parameters are registered sharded (DTensors)."""
+    # Not imported: no module can be an FSDP2 one (and importing it costs ~1 s).
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is None:
+        return []
+    from torch.distributed.tensor import DTensor
+
+    def managed(module: nn.Module) -> Iterator[nn.Parameter]:
+        """The parameters ``module``'s FSDP2 group manages: its own and its children's,
+        but for children with groups of their own."""
+        yield from module.parameters(recurse=False)
+        for child in module.children():
+            if not isinstance(child, fsdp):
+                yield from managed(child)
+
+    return [m for m in model.modules() if isinstance(m, fsdp)
+            and any(isinstance(p, DTensor) for p in managed(m))]
+
+
+def _reshard_fsdp(modules: list[nn.Module]) -> None:
+    """Reshard FSDP2 ``modules`` (``FSDPModule.reshard``: a no-op where sharded), the ones
+    registered sharded when the snapshot was taken, so that their module dicts, put back
+    next, agree with FSDP2's state.
+
+    Why: FSDP2 registers a module's unsharded parameters while they are gathered, and
+    its root keeps them gathered from its forward to the end of its backward. A measured
+    region that ends after a forward (the bytes held after it, the next step's forward)
+    leaves the root gathered; putting its module dict back then registers the sharded
+    parameters under a group that thinks itself unsharded, whose next forward gathers
+    nothing and fails ("mixed torch.Tensor and DTensor"). Modules gathered at the
+    snapshot are left as they are (their dicts hold the gathered parameters). The price:
+    the root gathers again at its next forward, as after any backward."""
+    for module in modules:
+        module.reshard()
 
 
 @contextlib.contextmanager

@@ -134,11 +134,8 @@ def solve_sharded(
 
         plan = solve_at(memory_budget)
         if verify is not None and plan.budget_bytes is not None:
-            # Timed (one more, un-metered step) whatever verify.timed says: without it the
-            # metered steps' restore leaves FSDP2's root parameters unsharded in a state
-            # its next forward refuses ("mixed torch.Tensor and DTensor"); cause open.
             plan = verified_on_ranks(model, sample_batch, prof, plan, settings, verify,
-                                     solve_at, group=group, timed=True)
+                                     solve_at, group=group)
     return broadcast_plan(plan, group)
 
 
