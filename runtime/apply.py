@@ -63,8 +63,12 @@ from remat.runtime.inplace import (
     written_arguments,
 )
 from remat.runtime.plan_head import check_head, install_plan_head, remove_plan_head
-from remat.runtime.segments import SegmentRunner
+from remat.runtime.segments import SegmentRunner, dynamo_idle, get_eval_frame_callback
 from remat.runtime.sequential_links import SequentialLinks
+from remat.runtime.sequential_segments import (
+    install_sequential_forwards,
+    remove_sequential_forwards,
+)
 
 __all__ = ["apply_plan", "planned", "remove_plan"]
 
@@ -103,6 +107,9 @@ class _RematState:
         self.runs_as: list[str | None] = [None] * len(modules)
         # Where the plan's chunked head was installed (None: the head as it is).
         self.head_site: HeadSite | None = None
+        # The stock nn.Sequential modules given a forward that runs whole segments
+        # (runtime.sequential_segments).
+        self.sequentials: list[nn.Sequential] = []
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A model unpickled in a fresh process runs its segments eagerly there too.
@@ -305,13 +312,13 @@ class _PlannedForward:
             index, x = self._index, args[0]
             if runner.expects_quiet(index, x):
                 if not torch.compiler.is_compiling():
-                    # _dynamo_idle(), inline: this runs at every unit of a segment
-                    if _get_eval_frame_callback is not None and _get_eval_frame_callback() is None:
+                    # dynamo_idle(), inline: this runs at every unit of a segment
+                    if get_eval_frame_callback is not None and get_eval_frame_callback() is None:
                         return runner.call_quiet(index, state.original_forward(index), x)
                     return _eager_segment_quiet(state, index, x)
             elif (runner.may_start(index, x) and state.active(index)
                   and not torch.compiler.is_compiling()):
-                start = _segment_start if _dynamo_idle() else _eager_segment_start
+                start = _segment_start if dynamo_idle() else _eager_segment_start
                 return start(state, index, x)
         return state.call(self._index, args, kwargs)
 
@@ -388,23 +395,6 @@ def _disable_compile_for_segments() -> None:
         _eager_segment_quiet = torch.compiler.disable(_segment_quiet)
         _eager_segment_start = torch.compiler.disable(_segment_start)
         _eager_segment_close = torch.compiler.disable(_segment_close)
-
-
-# torch.compiler.disable's wrapper costs about 1.5 us a call (it swaps dynamo's frame
-# callback out and back), on every unit of a segment. It only matters where dynamo's
-# callback is set on this thread (a frame torch.compile fell back on runs the units);
-# where none is set, no frame is ever traced, and the plain function is the same.
-# The getter is private to torch: without it, the wrapper is always used.
-_get_eval_frame_callback: Callable[[], Any] | None = getattr(
-    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
-    "get_eval_frame_callback", None)
-
-
-def _dynamo_idle() -> bool:
-    """Whether no dynamo frame callback is set on this thread: then the eager segment
-    entry points may run without their ``torch.compiler.disable`` wrapper. Never
-    called while dynamo traces (callers check ``is_compiling`` first)."""
-    return _get_eval_frame_callback is not None and _get_eval_frame_callback() is None
 
 
 # --------------------------------------------------------------------------- API
@@ -505,6 +495,8 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False,
     if runner is not None:
         handle = target.register_forward_hook(_SegmentGuard(runner), always_call=True)
         state.guard_hook_id = handle.id
+        state.sequentials = install_sequential_forwards(target, plan.unit_names, modules,
+                                                        plan.segments, state)
     checks = LoopChecks(plan, modules, target, strict=strict)
     guard = PlanGuard(plan, modules, positional_names(target), strict_shapes or strict, checks)
     state.plan_guard_id = target.register_forward_pre_hook(guard, with_kwargs=True).id
@@ -531,6 +523,7 @@ def remove_plan(model: ModuleT) -> ModuleT:
         state.runner.close()
         if getattr(state.runner, "links", None) is not None:
             state.runner.links.remove()
+    remove_sequential_forwards(state.sequentials)
     for i, module in enumerate(state.modules):
         current = module.__dict__.get("forward")
         if not (isinstance(current, _PlannedForward) and current._remat_state is state):

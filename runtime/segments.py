@@ -54,7 +54,7 @@ from remat.execute.options import autocast_without_cache, checkpoint_context_fn
 from remat.runtime.sequential_links import SequentialLinks
 from remat.runtime.torch_checkpoint import checkpoint_generator
 
-__all__ = ["SegmentRunner"]
+__all__ = ["SegmentRunner", "autocast_on", "dynamo_idle", "get_eval_frame_callback"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,23 @@ def _any_autocast() -> bool:
 # Whether any autocast is on, asked at every unit call of a segment: torch's private
 # one-call check where it has one (``is_autocast_enabled(device)`` parses the device
 # string, twice a unit), else the public two.
-_autocast_on: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast)
+autocast_on: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast)
+
+# torch.compiler.disable's wrapper costs about 1.5 us a call (it swaps dynamo's frame
+# callback out and back), on every unit of a segment. It only matters where dynamo's
+# callback is set on this thread (a frame torch.compile fell back on runs the units);
+# where none is set, no frame is ever traced, and the plain function is the same.
+# The getter is private to torch: without it, the wrapper is always used.
+get_eval_frame_callback: Callable[[], Any] | None = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+    "get_eval_frame_callback", None)
+
+
+def dynamo_idle() -> bool:
+    """Whether no dynamo frame callback is set on this thread: then the eager segment
+    entry points may run without their ``torch.compiler.disable`` wrapper. Never
+    called while dynamo traces (callers check ``is_compiling`` first)."""
+    return get_eval_frame_callback is not None and get_eval_frame_callback() is None
 
 
 class _OpenSegment:
@@ -396,7 +412,7 @@ class SegmentRunner:
         seg.replay.calls.append(forward)
         seg.last_index = index
         try:
-            if _autocast_on():
+            if autocast_on():
                 with autocast_without_cache():
                     output = forward(x)
             else:  # a null context costs two calls a unit
@@ -423,7 +439,7 @@ class SegmentRunner:
         caller checks that the unit did not write into ``x``.
         """
         bounds = self._starts[index]
-        seg = self._open = _OpenSegment(bounds, self.names, self._context_fn(bounds), x,
+        seg = self._open = _OpenSegment(bounds, self.names, self.context_fn(bounds), x,
                                         self.links)
         return self._run_alone(seg, index, forward, x)
 
@@ -437,7 +453,7 @@ class SegmentRunner:
         seg.replay.calls.append(forward)
         seg.last_index = index
         try:
-            if _autocast_on():
+            if autocast_on():
                 with autocast_without_cache():
                     output = forward(x)
             else:  # a null context costs two calls a unit
@@ -499,11 +515,11 @@ class SegmentRunner:
                 raise
         else:
             slot, first_input = self._segment_input(index, args, kwargs)
-            seg = self._open = _OpenSegment(bounds, self.names, self._context_fn(bounds),
+            seg = self._open = _OpenSegment(bounds, self.names, self.context_fn(bounds),
                                             first_input, self.links)
         return self._ran(seg, index, lambda: seg.run(index, forward, args, kwargs, slot))
 
-    def _context_fn(self, bounds: tuple[int, int]) -> Callable[[], tuple[Any, Any]]:
+    def context_fn(self, bounds: tuple[int, int]) -> Callable[[], tuple[Any, Any]]:
         """The segment's eager checkpoint ``context_fn``, made once per plan.
 
         BatchNorm statistics are restored after recomputation, for every module of the

@@ -94,3 +94,85 @@ def test_a_first_unit_writing_into_the_held_input_is_refused() -> None:
         [str(i) for i in range(4)], {str(i): "checkpoint" for i in (1, 2)}, segments=[(1, 2)]))
     with pytest.raises(RematError, match="multi-unit segment"):
         planned(torch.randn(4, 8)).sum().backward()
+
+
+def _assert_same_gradients(unplanned: nn.Module, planned: nn.Module, x: torch.Tensor) -> None:
+    grads = []
+    for model in (unplanned, planned):
+        torch.manual_seed(2)
+        model(x).pow(2).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for ours, theirs in zip(*grads):
+        assert torch.equal(ours, theirs)
+
+
+def _planned_calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Counts of the units' planned forwards called, by the unit's position."""
+    from remat.runtime import apply as apply_module
+
+    calls: collections.Counter[str] = collections.Counter()
+    original = apply_module._PlannedForward.__call__
+
+    def counted(self, *args, **kwargs):
+        calls[str(self._index)] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(apply_module._PlannedForward, "__call__", counted)
+    return calls
+
+
+def test_a_stock_sequential_runs_its_whole_segments_without_the_units_planned_forwards(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments inside a stock ``nn.Sequential`` run as one checkpoint call over the units'
+    own forwards (runtime/sequential_segments.py): no planned forward of a segment unit
+    is called, the units outside segments keep theirs, and the gradients stay bitwise."""
+    seq = _stack()
+    n, k = len(seq), 3
+    plan = _sequential_plan(n, k)
+    planned = apply_plan(copy.deepcopy(seq), plan)
+    in_segments = {str(i) for a, b in plan.segments for i in range(a, b + 1)}
+    calls = _planned_calls(monkeypatch)
+    x = torch.randn(4, 8)
+    _assert_same_gradients(seq, planned, x)
+    assert calls and not (set(calls) & in_segments), calls
+    assert set(calls) == {str(i) for i in range(n)} - in_segments
+
+
+def test_a_hook_on_a_segment_unit_runs_and_the_segment_runs_unit_by_unit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit with a hook of its own takes the unit-by-unit path (its hook runs), with the
+    same gradients; without the hook the Sequential runs the segment whole again."""
+    seq = _stack()
+    plan = _sequential_plan(len(seq), 2)
+    planned = apply_plan(copy.deepcopy(seq), plan)
+    seen = []
+    handle = planned[4].register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    calls = _planned_calls(monkeypatch)
+    x = torch.randn(4, 8)
+    _assert_same_gradients(seq, planned, x)
+    assert seen == [torch.Size([4, 8])] and calls["4"] == 1
+    handle.remove()
+    calls.clear()
+    planned(x).sum().backward()
+    assert "4" not in calls
+
+
+def test_removing_the_plan_gives_the_sequential_its_own_forward_back() -> None:
+    import pickle
+
+    seq = _stack()
+    planned = apply_plan(copy.deepcopy(seq), _sequential_plan(len(seq), 2))
+    assert "forward" in vars(planned)
+    x = torch.randn(4, 8)
+    for clone in (copy.deepcopy(planned), pickle.loads(pickle.dumps(planned))):
+        torch.manual_seed(3)
+        clone(x).sum().backward()
+        torch.manual_seed(3)
+        planned(x).sum().backward()
+        for ours, theirs in zip(clone.parameters(), planned.parameters()):
+            assert torch.equal(ours.grad, theirs.grad)
+        planned.zero_grad(set_to_none=True)
+    from remat import remove_plan
+
+    remove_plan(planned)
+    assert "forward" not in vars(planned)
