@@ -19,6 +19,10 @@ module hook is checked as usual. A ``Sequential`` iterated by the model's own co
 
 The price: two hook calls per call of each such ``Sequential`` (per step, not per
 unit). The check errs on the safe side: anything it does not recognise is checked.
+
+Where every unit of a segment is such a child, the ``Sequential`` usually runs the
+segment whole (:mod:`.sequential_segments`) and these links are not reached; they serve
+the calls that path declines (a unit with a hook, a segment crossing the container).
 """
 
 from __future__ import annotations
