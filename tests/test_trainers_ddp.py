@@ -160,7 +160,7 @@ def _check_hf_ddp(rank: int, outside_loss: bool) -> None:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=8, max_steps=3, report_to=[],
             save_strategy="no", logging_strategy="no", use_cpu=True, ddp_backend="gloo",
-            label_smoothing_factor=0.1 if outside_loss else 0.0)
+            label_smoothing_factor=0.1 if outside_loss else 0.0, bf16=not outside_loss)
         callback = RematCallback(memory_budget="60%")
         trainer = Trainer(model=model, args=args, callbacks=[callback],
                           train_dataset=[{"input_ids": r, "labels": r} for r in ids])
@@ -181,6 +181,8 @@ def _check_hf_ddp_trainer_loss(rank: int) -> None:
 
 @pytest.mark.slow
 def test_hf_trainer_under_ddp_plans_through_the_wrapper(free_port: int) -> None:
+    """The model's own loss, with ``bf16=True`` (accelerate's autocast around the
+    wrapper's forward)."""
     _spawn(_check_hf_ddp_model_loss, free_port)
 
 
