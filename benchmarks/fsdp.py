@@ -86,6 +86,15 @@ class Row:
     def allocator_worst(self) -> int:
         return max(self.allocator_runs)
 
+    @property
+    def allocator_least(self) -> int:
+        return min(self.allocator_runs)
+
+    @property
+    def allocator_spread(self) -> float:
+        """How much one plan's step varied as the allocator saw it, % of the worst run."""
+        return 100 * (self.allocator_worst - self.allocator_least) / self.allocator_worst
+
 
 # --------------------------------------------------------------------------- the ranks
 def _blocks(model: torch.nn.Module, path: str) -> torch.nn.Module:
@@ -265,7 +274,7 @@ def table_rows(rows: Sequence[Row]) -> list[list[object]]:
              _mib(r.worst), _mib(r.least), f"{100 * (r.worst - r.least) / r.worst:.1f}",
              f"{100 * (r.predicted - r.worst) / r.worst:+.1f}",
              "yes" if max(r.worst, r.allocator_worst) <= r.budget else "**no**",
-             _mib(r.allocator_worst),
+             _mib(r.allocator_worst), _mib(r.allocator_least), f"{r.allocator_spread:.1f}",
              f"{100 * (r.predicted - r.allocator_worst) / r.allocator_worst:+.1f}"]
             for r in rows]
 
@@ -298,12 +307,16 @@ def report(rows: Sequence[Row], unsharded: dict[str, int], segments: list[list[s
             ["model", "ranks", "reshard", "head", "budget MiB", "predicted MiB",
              "measured worst-run MiB", "min run MiB", "spread %",
              "(predicted - worst)/worst %", "fits budget", "allocator worst-run MiB",
+             "allocator min run MiB", "allocator spread %",
              "(predicted - allocator worst)/allocator worst %"],
             table_rows(rows)),
         "",
         f"Predicted - worst: {min(over):+.1f}% to {max(over):+.1f}% of the live bytes, "
         f"{min(over_allocator):+.1f}% to {max(over_allocator):+.1f}% of the allocator's "
-        f"view; run-to-run spread (live) {min(spread):.1f}% to {max(spread):.1f}%. "
+        f"view; run-to-run spread {min(spread):.1f}% to {max(spread):.1f}% of the live "
+        f"bytes, {min(r.allocator_spread for r in rows):.1f}% to "
+        f"{max(r.allocator_spread for r in rows):.1f}% of the allocator's view (one plan's "
+        "step, (worst - min) / worst over every run of every rank). "
         + ("The prediction was below the worst run nowhere." if not below else
            f"**The prediction was below the worst run in {len(below)} of {len(rows)} "
            "plans** (see the rows with a negative figure)."),

@@ -34,6 +34,39 @@ the model (:mod:`remat.execute.sharding`):
   dispatch-level meter sees), and on 4 ranks a third unit was alive at one plan's
   peak: three are counted. A promise must hold when the machine is busy too.
 
+What is alive at a measured peak (issue 32, 2026-11-25; the allocator's events read
+with the ``record_function`` scope each block was allocated in, GPT of 8 blocks of 128,
+``reshard_after_forward=True``, one unit 0.79 MB, 3 runs of 3 plans on every rank): on
+4 gloo ranks the peak is at the start of the last block's backward (its prefetch of the
+next block) or inside a block's backward, and holds, of FSDP2's, the unit's gathered
+parameters (1 unit), the prefetch's all-gather buffers (2: its output and one more of
+its size), the root's parameters (0.13) and, in some runs and not others, 1 to 3 units
+more: an all-gather output or a reduce-scatter buffer (gloo reduce-scatters by an
+all-reduce of the whole input, with a second buffer of its size) whose last reference
+went on a gloo worker thread, where the CPU profiler records no free. The allocator's view keeps
+such a block alive until its address is handed out again
+(:func:`remat.measurement.allocator.unrecorded_frees_closed`: the latest it can have
+gone); gloo frees it just after its collective completes, which no event records (a
+closing at the worker's next recorded collective, an upper bound too, moved none of them
+off a peak: the workers idle between collectives). So one plan's step varies from run
+to run by whole units: on one rank of that run 10.29 to 11.87 MB (two units, 13%), and in
+``benchmarks/fsdp.py`` (4 ranks, 10 runs, 09:41 UTC) the allocator's worst and least run
+of one plan differ by 3.7% to 20.2% (the Llama-style model, ``reshard_after_forward=True``:
+2.7 of its 3.0 MB units). How many units a prediction without :data:`IN_FLIGHT` would
+have missed depends on the model, the plan and the run: 2.0 to 2.5 on that Llama (the
+prediction stands 0.55 to 0.95 unit, 3.4% to 4.9%, above the worst run), 0.4 to 0.6 on the
+GPT, up to 2.4 on the GPT on 2 ranks. Measuring that excess while profiling (one more real
+step) would see one draw of it, on one plan under the machine's load of that moment, not
+the worst run of another plan later: a prediction tightened so would be below a run (an
+OOM on a GPU). So :data:`IN_FLIGHT` stays the envelope, and the issue's 2% above the worst
+run is not met on gloo: the worst run itself is a draw with a 4% to 20% spread.
+The other candidates measured as counted: the root's parameters are alive from the
+forward to the end of the backward; ``2 * gathered`` in a backward is the
+unit's gradients (in the replays' peak), its reduce-scatter input and gloo's second
+buffer, alive together once its parameters are resharded. On CUDA the caching allocator counts
+every free on every thread and NCCL takes no such copies, so what is counted here for
+gloo's copies and its unrecorded frees errs high there (not measured: no GPU here).
+
 The outside figures (the root's code: embeddings, the head) are measured as they ran,
 under the root's FSDP2 state. FSDP2 frees a unit's gathered parameters by resizing their
 storage to 0 and gathers them again into the same storage, which no dispatch-level
