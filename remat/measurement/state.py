@@ -250,12 +250,17 @@ class ModelState:
             for buf, value in self._buffers:
                 buf.copy_(value)
 
-    def restore_params(self) -> None:
-        """Put back parameter values and the optimizer state (after optimizer steps)."""
+    def restore_param_values(self) -> None:
+        """Put back the parameters' values (copied only with an optimizer: without one,
+        nothing writes to them), not the optimizer's state."""
         with torch.no_grad():
             if self._param_values is not None:
                 for p, value in zip(self.params, self._param_values):
                     p.copy_(value)
+
+    def restore_params(self) -> None:
+        """Put back parameter values and the optimizer state (after optimizer steps)."""
+        self.restore_param_values()
         if self._optimizer_state is not None:
             self._optimizer_state.restore()
 

@@ -19,6 +19,7 @@ rise above the step's start plus :func:`~remat.measurement.storage.resident_byte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from remat.measurement.allocator import AllocatorTimeline
 from remat.measurement.meter import MemoryMeter
 from remat.measurement.runner import Carry, LossFn, StepRunner, model_device
 from remat.measurement.state import ModelState, clear_grads, training_session
+from remat.measurement.steady import StateAhead, make_state_ahead
 from remat.measurement.storage import resident_bytes
 from remat.measurement.timing import Stopwatch, median, parts_settled
 
@@ -151,17 +153,18 @@ def _cycles(runner: StepRunner, cycles: int, state: ModelState | None) -> None:
             state.restore_buffers()
 
 
-def _repeats_itself(runner: StepRunner) -> bool:
+def _repeats_itself(runner: StepRunner, ahead: StateAhead | None) -> bool:
     """Whether a step of the runner's loop leaves nothing but what the loop's variables
-    carry (:class:`Carry`) for the next: no optimizer (whose first step creates its
-    state, so the second starts with more), and gradients set to ``None`` by
-    ``zero_grad`` (zeroed in place, they stay alive into the next step). From the same
-    RNG state and buffers, the next step then runs as this one did, the carry aside."""
-    return runner.optimizer is None and runner.loop.set_to_none
+    carry (:class:`Carry`) for the next: gradients set to ``None`` by ``zero_grad``
+    (zeroed in place, they stay alive into the next step), and no optimizer, or one whose
+    state was made ahead (``ahead``, :mod:`.steady`: otherwise its first step creates
+    the state, so the second starts with more). From the same RNG state and buffers, the
+    next step then runs as this one did, the carry aside."""
+    return runner.loop.set_to_none and (runner.optimizer is None or ahead is not None)
 
 
 def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
-                     dispatch: MemoryMeter | None) -> None:
+                     dispatch: MemoryMeter | None, ahead: StateAhead | None) -> None:
     """What an instrument measures: ``steps + 1`` optimizer steps from nothing carried (the
     first gives the next what the loop carries into it). One step runs as
     :func:`_cycles` does; several run consecutively, as training runs them (RNG and
@@ -172,12 +175,13 @@ def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
     (the last output and loss, and whatever their graph still holds) differs from the
     first step only until the new output and loss replace it, at the end of that forward;
     from there the second step is the first again, from the same state, so its backward
-    is not run twice (a planned step's forward is about a third of it). That holds where
-    nothing else outlives the loop's variables, which the meter tells (nothing made in
-    the region alive once they are dropped); where something does (a cache made lazily, a
-    tensor a backward hook keeps), it is alive through the second step's backward too, and
-    a whole step runs with it."""
-    if steps == 1 and state is not None and dispatch is not None and _repeats_itself(runner):
+    (and optimizer step) is not run twice (a planned step's forward is about a third of
+    it). That holds where nothing else outlives the loop's variables, which the meter
+    tells (nothing made in the region alive once they are dropped); where something does
+    (a cache made lazily, a tensor a backward hook keeps), it is alive through the second
+    step's backward too, and a whole step runs with it."""
+    if (steps == 1 and state is not None and dispatch is not None
+            and _repeats_itself(runner, ahead)):
         _step_then_forward(runner, state)
         if dispatch.live_bytes == 0:
             return
@@ -199,6 +203,67 @@ def _step_then_forward(runner: StepRunner, state: ModelState) -> None:
     del output, loss, carry  # the forward's graph with them
     state.rng.restore()
     state.restore_buffers()
+
+
+@dataclass(frozen=True)
+class _Peaks:
+    """What :func:`_instrumented` measured (see :class:`StepMeasurement`)."""
+
+    resident: int
+    peak: int | None = None
+    allocator_peak: int | None = None
+    reserved: int | None = None
+    cuda_peak: int | None = None
+
+
+def _instrumented(runner: StepRunner, model: nn.Module, steps: int, state: ModelState | None,
+                  ahead: StateAhead | None, *, allocator: bool, meter: bool) -> _Peaks:
+    """The measured steps (:func:`_measured_cycles`) under both instruments at once, each
+    figure the instrument's rise plus what the step holds from its start (``model``'s
+    state, whose wrapper the runner may call)."""
+    device = model_device(model)
+    resident = resident_bytes(model, runner.optimizer, batch=runner.batch, device=device)
+    # Both instruments watch the same steps: the allocator's view outside, the
+    # dispatch-level meter inside it (the meter allocates no tensor of its own).
+    timeline = AllocatorTimeline(device.type) if allocator else None
+    dispatch = MemoryMeter(device_type=device.type) if meter else None
+    with contextlib.ExitStack() as stack:
+        if ahead is not None:
+            stack.enter_context(ahead.watching())
+        if timeline is not None:
+            stack.enter_context(timeline)
+            timeline.mark()
+        if dispatch is not None:
+            stack.enter_context(dispatch)
+        _measured_cycles(runner, steps, state, dispatch, ahead)
+        if timeline is not None:
+            timeline.mark()
+    peaks = _Peaks(resident)
+    if dispatch is not None:
+        peaks = dataclasses.replace(peaks, peak=resident + dispatch.peak_bytes,
+                                    cuda_peak=dispatch.cuda_peak_bytes)
+    if timeline is not None:
+        reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else None
+        peaks = dataclasses.replace(peaks, allocator_peak=resident + timeline.rise(0, 1),
+                                    reserved=reserved)
+    return peaks
+
+
+def _measured(runner: StepRunner, model: nn.Module, steps: int, state: ModelState | None, *,
+              steady: bool, allocator: bool, meter: bool) -> _Peaks:
+    """:func:`_instrumented`, one step from the optimizer's state made ahead where
+    ``steady`` allows it and it can be (:mod:`.steady`), else the whole steps. ``steady``
+    only with no warm-up: the session's snapshot is then the state before the state made
+    ahead, which the fallback puts back (after a warm-up the state is training's own)."""
+    ahead = (make_state_ahead(runner, state)
+             if steady and steps == 1 and state is not None else None)
+    peaks = _instrumented(runner, model, steps, state, ahead, allocator=allocator, meter=meter)
+    if ahead is None or ahead.held() or state is None:
+        return peaks
+    log.debug("measured step: the optimizer state made ahead is not the step's own (a "
+              "parameter without a strided gradient of its dtype); two whole steps instead")
+    state.restore_params()  # the state made ahead dropped, the parameters put back
+    return _instrumented(runner, model, steps, state, None, allocator=allocator, meter=meter)
 
 
 @contextlib.contextmanager
@@ -240,10 +305,14 @@ def measure_step(
     only such storages, and the CPU profiler reports no frees of blocks allocated before
     it started). Without a warm-up the first of them creates the optimizer's state, as a
     training run's first step does: what the step holds from its start
-    (``resident_bytes``) is read before it. Where the loop repeats itself (no optimizer,
-    gradients set to ``None``) and nothing made in the first step outlives the loop's
-    variables, the second runs only as far as its first forward, where what the first
-    carries into it is let go (:func:`_measured_cycles`): the same peak, one backward
+    (``resident_bytes``) is read before it. Or, for one step with no warm-up and an
+    optimizer among those measured alike (:mod:`.steady`), the state is made before
+    the instruments start, by one optimizer step over zero gradients, so that the first
+    measured step is the steady one (``resident_bytes`` then holds the state). Where the
+    loop then repeats itself (no optimizer or its state made ahead, gradients set to
+    ``None``) and nothing made in the first step outlives the loop's variables, the
+    second runs only as far as its first forward, where what the first carries into it is
+    let go (:func:`_measured_cycles`): the same peak, one backward (and optimizer step)
     less. The time is the median of ``repeats`` un-metered steps. Parameters, buffers,
     gradients, RNG state, train/eval modes and the optimizer state are restored
     afterwards, also when the step raises.
@@ -294,32 +363,16 @@ def measure_step(
     loop = loop_or_default(loop)
     device = model_device(model)
     watch = Stopwatch(device)
-    peak = alloc_peak = reserved = cuda_peak = held_bytes = time_ms = None
+    held_bytes = time_ms = None
     with _session(model, optimizer, restore) as state:
         runner = StepRunner(call if call is not None else model, sample_batch, loss_fn,
                             optimizer, loop, device.type)
         _cycles(runner, warmup, state)
         watch.sync()
-        resident = resident_bytes(model, optimizer, batch=sample_batch, device=device)
-        # Both instruments watch the same two steps: the allocator's view outside, the
-        # dispatch-level meter inside it (the meter allocates no tensor of its own).
-        timeline = AllocatorTimeline(device.type) if allocator else None
-        dispatch = MemoryMeter(device_type=device.type) if meter else None
-        with contextlib.ExitStack() as stack:
-            if timeline is not None:
-                stack.enter_context(timeline)
-                timeline.mark()
-            if dispatch is not None:
-                stack.enter_context(dispatch)
-            _measured_cycles(runner, steps, state, dispatch)
-            if timeline is not None:
-                timeline.mark()
-        if dispatch is not None:
-            peak, cuda_peak = resident + dispatch.peak_bytes, dispatch.cuda_peak_bytes
-        if timeline is not None:
-            alloc_peak = resident + timeline.rise(0, 1)
-            if device.type == "cuda":
-                reserved = torch.cuda.max_memory_reserved()
+        peaks = _measured(runner, model, steps, state, steady=warmup == 0 and meter,
+                          allocator=allocator, meter=meter)
+        resident, peak, alloc_peak = peaks.resident, peaks.peak, peaks.allocator_peak
+        reserved, cuda_peak = peaks.reserved, peaks.cuda_peak
         if meter and held:
             with MemoryMeter(device_type=device.type) as dispatch:
                 output, loss = runner.forward()
