@@ -283,7 +283,8 @@ def report(rows: Sequence[Row], unsharded: dict[str, int], segments: list[list[s
            command: str, started: dt.datetime, seconds: float, runs: int) -> str:
     over = [100 * (r.predicted - r.worst) / r.worst for r in rows]
     spread = [100 * (r.worst - r.least) / r.worst for r in rows]
-    ratio, which = max((unsharded[r.model] / r.budget, r) for r in rows)
+    which = max(rows, key=lambda r: unsharded[r.model] / r.budget)  # rows may tie
+    ratio = unsharded[which.model] / which.budget
     over_allocator = [100 * (r.predicted - r.allocator_worst) / r.allocator_worst for r in rows]
     below = [r for r in rows if r.predicted < max(r.worst, r.allocator_worst)]
     lines = [
