@@ -6,9 +6,9 @@ True and False, every rank shards the model (each block, then the root), profile
 collectively (``remat.profile`` on the sharded model: the worst rank's step, the same
 on every rank; each rank its own micro-batch), and solves at 4 budgets from the smallest
 feasible per-rank peak to no checkpointing, with the head as written (``head="none"``)
-and, where remat measured a chunked head for the model, with it chunked wherever faster
-(``head="chunked"``). Each plan is applied and its step run ``--runs`` times on every
-rank, each run measured by live tensor bytes
+and, where remat measured a chunked head for the model and chunking lowers the smallest
+feasible peak, at 4 budgets only a chunked head meets (``head="chunked"``). Each plan is
+applied and its step run ``--runs`` times on every rank, each run measured by live tensor bytes
 (:class:`~remat.measurement.simulated_device.SimulatedDevice` without a capacity:
 everything the step holds, the rank's shards included). The table gives, per plan, the
 worst and the least run over every rank, and how far the prediction is above the worst.
@@ -55,8 +55,11 @@ MODELS: dict[str, tuple[dict[str, Any], str]] = {
 }
 SEGMENT_OPTIONS = ("keep", "checkpoint")
 NO_CHUNKED_HEAD = (
-    "No plan with the head chunked: remat's head check passed on no model here (remat's GPT "
-    "computes no loss of its own from `labels`; a model opts in with `remat.head_loss`).")
+    "No plan with the head chunked: no model here had a budget that only a chunked head "
+    "meets (remat's GPT computes no loss of its own from `labels`, so its head is not "
+    "measured; a model opts in with `remat.head_loss`).")
+# Where the head is chunked: between its smallest feasible peak and the head as written's.
+CHUNKED_FRACTIONS = (0.0, 0.25, 0.5, 0.75)
 # The segments table also at a batch where activations, not the AdamW step, set the peak.
 ACTIVATION_HEAVY = {"batch_size": 8, "seq_len": 256}
 
@@ -123,16 +126,31 @@ def _sharded(name: str, rank: int, reshard: bool) -> tuple[torch.nn.Module, Any]
     return model, batch
 
 
-def _budgets(prof: Any, head: str) -> list[int]:
+def _floor(prof: Any, head: str) -> int:
+    """The smallest feasible peak of ``prof`` with ``head``."""
     import remat
     from remat import InfeasibleBudgetError
 
-    keep = remat.solve(prof, None, head=head).record.predicted_peak_bytes
     try:
         remat.solve(prof, 1, head=head)
     except InfeasibleBudgetError as err:
-        floor = err.min_feasible_bytes
-    return [int(floor + f * (keep - floor)) for f in FRACTIONS]
+        return err.min_feasible_bytes
+    raise AssertionError("a budget of 1 byte should be infeasible")
+
+
+def _budgets(prof: Any, head: str) -> list[int]:
+    """With the head as written: from the smallest feasible peak to no checkpointing. With
+    the head chunked: the budgets only a chunked head meets, from its smallest feasible
+    peak up to (not at) the head as written's; none where chunking lowers no peak."""
+    import remat
+
+    floor = _floor(prof, head)
+    if head == "none":
+        keep = remat.solve(prof, None, head=head).record.predicted_peak_bytes
+        return [int(floor + f * (keep - floor)) for f in FRACTIONS]
+    written = _floor(prof, "none")
+    return [int(floor + f * (written - floor)) for f in CHUNKED_FRACTIONS] \
+        if floor < written else []
 
 
 def _runs(model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer,
