@@ -74,7 +74,7 @@ class SequentialForward:
         j = 0
         while j < len(children):
             span = self.spans.get(j)
-            if span is not None and type(input) is torch.Tensor and self._quiet(span):
+            if span is not None and type(input) is torch.Tensor and self._quiet(span, children):
                 input = self._run(span, input)
                 j = span.stop + 1
             else:
@@ -96,17 +96,20 @@ class SequentialForward:
                          or _module._global_backward_hooks
                          or _module._global_backward_pre_hooks))
 
-    def _quiet(self, span: _Span) -> bool:
-        """Whether the segment's units are training, active and run no hook of their own
-        (remat's first-unit check aside)."""
+    def _quiet(self, span: _Span, children: list[nn.Module]) -> bool:
+        """Whether the segment's units are still the container's children there, run the
+        plan's forward (nothing installed over it since), are training and active, and
+        run no hook of their own (remat's first-unit check aside)."""
         state = self.state
         if not state.active(span.first):
             return False
         first_check = state.first_unit_id if span.first == 0 else None
-        for i in range(span.first, span.last + 1):
+        for k, i in enumerate(range(span.first, span.last + 1)):
             m = state.modules[i]
             pre = m._forward_pre_hooks
-            if (not m.training or m._forward_hooks or m._backward_hooks
+            if (children[span.start + k] is not m
+                    or getattr(m.__dict__.get("forward"), "_remat_state", None) is not state
+                    or not m.training or m._forward_hooks or m._backward_hooks
                     or m._backward_pre_hooks
                     or (pre and not (len(pre) == 1 and first_check in pre and i == 0))):
                 return False

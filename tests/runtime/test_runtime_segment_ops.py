@@ -176,3 +176,16 @@ def test_removing_the_plan_gives_the_sequential_its_own_forward_back() -> None:
 
     remove_plan(planned)
     assert "forward" not in vars(planned)
+
+
+def test_a_forward_installed_over_a_segment_unit_after_the_plan_is_not_bypassed() -> None:
+    """A forward someone installs on a unit after ``apply_plan`` takes the unit out of the
+    plan: the Sequential does not run the segment whole past it (which would run the
+    unit's old forward), and the unit-by-unit path says the segment is broken there."""
+    seq = _stack()
+    planned = apply_plan(copy.deepcopy(seq), _sequential_plan(len(seq), 2))
+    unit = planned[3]
+    own = type(unit).forward.__get__(unit)
+    unit.forward = lambda x: own(x)
+    with pytest.raises(RematError, match="not a chain"):
+        planned(torch.randn(4, 8)).sum().backward()
