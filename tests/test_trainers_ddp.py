@@ -17,7 +17,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("torch.distributed.fsdp")  # test_fsdp_collective's spawn helper
@@ -69,30 +68,9 @@ def _check_planned_through(ddp: nn.parallel.DistributedDataParallel, report: obj
 def _check_lightning_ddp(rank: int, **ddp_kwargs: bool) -> None:
     L = pytest.importorskip("lightning")
     from lightning.pytorch.strategies import DDPStrategy
+    from test_lightning import Net  # its training_step logs: muted while remat profiles
 
     from remat.integrations.lightning import RematCallback
-
-    class Net(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(
-                nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
-                              nn.Linear(4 * WIDTH, WIDTH)) for _ in range(4))
-            self.head = nn.Linear(WIDTH, 10)
-            self.steps_seen = 0
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return self.head(x)
-
-        def training_step(self, batch, batch_idx):
-            self.log("seen", float(batch_idx))
-            x, y = batch
-            return F.cross_entropy(self(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     _rank_setup(rank)
     gen = torch.Generator().manual_seed(rank)  # each rank its own data
