@@ -48,7 +48,8 @@ from remat.measurement.state import ModelState
 from remat.profiler.head_check import HeadCheck, check_head_rewrite
 from remat.profiler.records import HeadFinding
 
-__all__ = ["frugal_forwards", "head_profile", "head_to_measure", "may_measure_head", "model_head"]
+__all__ = ["checked_head", "frugal_forwards", "head_failed_pass", "head_profile",
+           "head_to_measure", "may_measure_head", "model_head"]
 
 log = logging.getLogger("remat")
 
@@ -84,23 +85,55 @@ def _checked(setting: str, runner: StepRunner, site: HeadSite,
     return HeadFinding(None, check.refusal)
 
 
-def model_head(setting: str, loop: Loop, runner: StepRunner, state: ModelState) -> HeadFinding:
+def model_head(setting: str, loop: Loop, runner: StepRunner, state: ModelState, *,
+               check: bool = True) -> HeadFinding:
     """A model's own head (a cross entropy on its output head's logits), found and checked
     before any profiling forward, so those can compute it chunked (:func:`frugal_forwards`);
-    empty where ``setting`` and ``loop`` measure no head or the model has none."""
+    empty where ``setting`` and ``loop`` measure no head or the model has none.
+
+    ``check=False`` (a budget's profile with ``head="auto"``): found, not checked; the
+    check (two forward and backward passes on one example: a whole step where the batch
+    is one example) runs only where the budget needs the chunked head
+    (:func:`checked_head`). The profiling forwards compute it chunked meanwhile: they
+    save nothing and read no loss, so the rewrite there changes only what they hold; one
+    that fails with it is told apart by the check (:func:`head_failed_pass`)."""
     if not may_measure_head(setting, loop):
         return HeadFinding()
     found = find_head(runner.model, runner.batch, {})
     if not isinstance(found, HeadSite):
         return HeadFinding(None, found)
+    if not check:
+        return HeadFinding(found, checked=False)
     return _checked(setting, runner, found, state)
 
 
+def checked_head(setting: str, runner: StepRunner, state: ModelState,
+                 found: HeadFinding) -> HeadFinding:
+    """``found``, its rewrite checked now where it was not yet (:func:`model_head`)."""
+    if found.checked or found.site is None:
+        return found
+    return _checked(setting, runner, found.site, state)
+
+
+def head_failed_pass(setting: str, runner: StepRunner, state: ModelState,
+                     found: HeadFinding) -> HeadFinding | None:
+    """After a profiling forward raised with ``found``'s head chunked and unchecked: the
+    head checked, where its rewrite is what failed (the finding to run the passes again
+    with, the head as written); ``None`` where the rewrite passes its check (the error is
+    the model's own)."""
+    if found.checked or found.site is None:
+        return None
+    checked = _checked(setting, runner, found.site, state)
+    return checked if checked.site is None else None
+
+
 def head_to_measure(setting: str, loop: Loop, runner: StepRunner, state: ModelState,
-                    through_head_loss: dict[int, int], found: HeadFinding) -> HeadFinding:
+                    through_head_loss: dict[int, int], found: HeadFinding, *,
+                    check: bool = True) -> HeadFinding:
     """The head whose chunked variants to measure under ``setting`` (see the module
-    docstring): a head that went through :func:`remat.head_loss` (checked here), else
-    ``found`` (:func:`model_head`).
+    docstring): a head that went through :func:`remat.head_loss` (checked here, or with
+    ``check=False`` where a budget needs it: :func:`checked_head`), else ``found``
+    (:func:`model_head`).
 
     Raises:
         ProfileError: ``head="chunked"`` and no head is recognised, or its rewrite fails
@@ -110,7 +143,8 @@ def head_to_measure(setting: str, loop: Loop, runner: StepRunner, state: ModelSt
         return found
     own = find_head(runner.model, runner.batch, through_head_loss)
     if isinstance(own, HeadSite) and own.kind == "head_loss":
-        found = _checked(setting, runner, own, state)
+        found = (_checked(setting, runner, own, state) if check
+                 else HeadFinding(own, checked=False))
     if found.site is None and setting == "chunked":
         raise ProfileError(
             f"head='chunked': remat cannot chunk the head of {type(runner.model).__name__}: "

@@ -58,12 +58,14 @@ def measure_outside(
     site: HeadSite | None,
     unit_figures: list[dict[str, OptionFigures]],
     variants_needed: Callable[[OutsideRun], bool] | None = None,
+    confirmed: Callable[[], HeadSite | None] | None = None,
 ) -> list[OutsideRun]:
     """The runs that fit, most frugal first (see the module docstring). The optimizer's
     figures are the first run's (a head changes the micro-batch, not the optimizer).
 
     ``variants_needed`` (a budget's question, see :func:`_as_is_first`): the head as it
-    is runs first, and the chunked runs only where it says they are needed.
+    is runs first, and the chunked runs only where it says they are needed and
+    ``confirmed()`` (the check of the head's rewrite, run then) gives the site back.
 
     Raises:
         torch.OutOfMemoryError: the most frugal run does not fit.
@@ -73,7 +75,8 @@ def measure_outside(
                         chunks, unit_figures, first=first)
 
     if site is not None and variants_needed is not None:
-        return _as_is_first(site, measure, state, variants_needed)
+        return _as_is_first(site, measure, state, variants_needed,
+                            confirmed if confirmed is not None else lambda: site)
     return _frugal_first(site, measure, state, first=None)
 
 
@@ -107,7 +110,8 @@ def _frugal_first(site: HeadSite | None,
 def _as_is_first(site: HeadSite,
                  measure: Callable[[int | None, OutsideTimes | None], OutsideRun],
                  state: ModelState,
-                 variants_needed: Callable[[OutsideRun], bool]) -> list[OutsideRun]:
+                 variants_needed: Callable[[OutsideRun], bool],
+                 confirmed: Callable[[], HeadSite | None]) -> list[OutsideRun]:
     """The head as it is first; its most frugal chunked variant only where
     ``variants_needed`` says the budget needs it (or the head as it is does not fit the
     device).
@@ -121,15 +125,23 @@ def _as_is_first(site: HeadSite,
     most frugal run: where that is more than the device has it runs out of memory, which
     is caught, and the chunked runs follow, most frugal first (a run that does not fit
     then is an error as before). So the device is asked for no more than it has, and
-    a profile without the variants says so (``meta["head_variants"]``).
+    a profile without the variants says so (``meta["head_variants"]``). The rewrite's
+    check (``confirmed()``, two passes on one example) runs here, and only where a
+    variant is to be measured; where it fails, the head as it is is all there is.
     """
+    too_big: torch.OutOfMemoryError | None = None
     try:
         as_is: OutsideRun | None = measure(None, None)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as err:
         _reset(state)
         log.info("remat: the head as it is does not fit the device: measuring it chunked")
-        as_is = None
+        as_is, too_big = None, err
     if as_is is not None and not variants_needed(as_is):
+        return [as_is]
+    if confirmed() is None:  # the rewrite fails its check: the head as it is, or nothing
+        if as_is is None:
+            assert too_big is not None
+            raise too_big
         return [as_is]
     first = as_is.times if as_is is not None else None
     chunked = _frugal_first(site, measure, state, first=first, as_is=False, most_only=True)

@@ -1,6 +1,8 @@
 """Pass 2 of :mod:`.profile` (outside time).
 
 Stub steps (:mod:`.stub`) run plainly: the outside code's time, and the optimizer's figures.
+After the first, the stubs run with shapes only (zeros of the units' outputs, the units
+not run), since nothing here reads what the units compute.
 
 The unplanned step is never run, so its time is derived: the outside code's forward and
 backward time, measured here on steps whose units are stubs (each step's time less the
@@ -19,9 +21,13 @@ timed as the loop runs them (the whole optimizer step, or one per parameter).
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
-from remat.core.errors import ArgumentError
+from remat.core.errors import ArgumentError, RematError
 from remat.measurement.in_backward import ParamSteps
 from remat.measurement.meter import MemoryMeter
 from remat.measurement.runner import StepRunner
@@ -29,9 +35,11 @@ from remat.measurement.state import ModelState, clear_grads
 from remat.measurement.storage import optimizer_state_bytes
 from remat.measurement.timing import Stopwatch, median, parts_settled
 from remat.profiler.records import OutsideTimes
-from remat.profiler.stub import give_missing_grads, stubbed
+from remat.profiler.stub import StubClock, give_missing_grads, stubbed
 
 __all__ = ["time_outside"]
+
+log = logging.getLogger("remat")
 
 
 def _param_steps(runner: StepRunner) -> tuple[ParamSteps | None, str]:
@@ -67,6 +75,82 @@ def _step_each(steps: ParamSteps, runner: StepRunner) -> None:
     runner.zero_grad()
 
 
+@dataclass
+class _Gradients:
+    """What gives each stub step's optimizer step its gradients: the step's forward and
+    backward, or (metering the optimizer alone) zeros laid out as the first step's."""
+
+    runner: StepRunner
+    state: ModelState
+    clock: StubClock
+    watch: Stopwatch
+    shapes_only: bool = True  # after the first step; until a step with shapes only fails
+    layouts: list[_GradLayout] | None = None  # the first step's gradients
+
+    def step(self, *, first: bool, optimizer_only: bool) -> tuple[float, float, float]:
+        """Every parameter's gradient made; the forward's time, the stubs' part of it and
+        the backward's (ms; 0 where neither ran)."""
+        self._reset()
+        if optimizer_only and self.layouts is not None:
+            _give_grads(self.layouts)
+            return 0.0, 0.0, 0.0
+        # The first step runs the units; the others hand out zeros of their outputs
+        # (:mod:`.stub`, "shapes only"): only the outside code's time is read here.
+        try:
+            times = self._forward_backward(shapes_only=self.shapes_only and not first)
+        except (torch.OutOfMemoryError, RematError):
+            raise
+        except Exception as err:
+            if first or not self.shapes_only:
+                raise
+            # The outside code needed what a unit computes: every unit runs from now on.
+            log.debug("outside time: a step with shapes only failed (%s: %s); the units "
+                      "run in every step", type(err).__name__, err)
+            self.shapes_only = False
+            self._reset()
+            times = self._forward_backward(shapes_only=False)
+        give_missing_grads(self.runner.params)
+        if first:
+            self.layouts = _grad_layouts(self.runner.params)
+        return times
+
+    def _reset(self) -> None:
+        self.state.rng.restore()
+        self.state.restore_buffers()
+        clear_grads(self.state.params)
+
+    def _forward_backward(self, *, shapes_only: bool) -> tuple[float, float, float]:
+        runner, watch = self.runner, self.watch
+        self.clock.new_step(shapes_only=shapes_only)
+        (output, loss), f_ms = watch.time(runner.forward)
+        if not runner.loop.keep_output:
+            del output  # dropped once the loss is taken, as the loop does
+        stub_ms = self.clock.ms
+        _, b_ms = watch.time(lambda: runner.backward(loss, release=False))
+        return f_ms, stub_ms, b_ms
+
+
+_GradLayout = tuple[nn.Parameter, torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+def _grad_layouts(params: list[nn.Parameter]) -> list[_GradLayout] | None:
+    """Every gradient's parameter and layout, or ``None`` where one is not a plain strided
+    tensor (a sparse gradient, or a tensor subclass such as FSDP2's ``DTensor``, which
+    zeros of its shape would not stand for)."""
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    if any(type(g) is not torch.Tensor or g.layout != torch.strided for _, g in grads):
+        return None
+    return [(p, g.shape, g.stride(), g.dtype, g.device) for p, g in grads]
+
+
+def _give_grads(layouts: list[_GradLayout]) -> None:
+    """Zero gradients laid out as the first step's: the optimizer's step allocates and
+    takes as long on them (its figures are its peak above the gradients, and its time on
+    the timed steps, whose gradients are the backward's)."""
+    for p, size, stride, dtype, device in layouts:
+        p.grad = torch.empty_strided(size, stride, dtype=dtype, device=device).zero_()
+
+
 def time_outside(
     runner: StepRunner,
     units: list[nn.Module],
@@ -85,8 +169,11 @@ def time_outside(
     the optimizer out (its figures 0, no parameter's step metered): a variant of the
     outside code (a chunked head) changes the micro-batch, not the optimizer's step.
 
-    The metered steps are whole stub steps, so they are the warm-up runs too (as a unit's
-    metered replay is its first warm-up run). The tolerance is a fraction of the step's
+    The first metered step is a whole stub step, so it is the warm-up run too (as a unit's
+    metered replay is its first warm-up run); the other metered ones step the optimizer
+    alone, over zero gradients laid out as that step's (:func:`_give_grads`): neither the
+    units nor the outside code run for them (a language model's head, forward and
+    backward, was a third of every such step). The tolerance is a fraction of the step's
     time, the units' own (``units_ms``) included: the outside code of a CNN (a pooling
     and a linear layer, 1% of its step) would otherwise need its spread within 5% of its
     own few milliseconds, and take every repeat for a figure the step hardly sees."""
@@ -103,18 +190,9 @@ def time_outside(
     total: list[float] = []
     peaks: list[int] = []
     with stubbed(units) as clock:
+        making = _Gradients(runner, state, clock, watch)
         for r in range(metered + warmup + repeats):
-            state.rng.restore()
-            state.restore_buffers()
-            clear_grads(state.params)
-            clock.ms = 0.0
-            (output, loss), f_ms = watch.time(runner.forward)
-            if not runner.loop.keep_output:
-                del output  # dropped once the loss is taken, as the loop does
-            stub_ms = clock.ms
-            _, b_ms = watch.time(lambda loss=loss: runner.backward(loss, release=False))
-            output = loss = None
-            give_missing_grads(runner.params)
+            f_ms, stub_ms, b_ms = making.step(first=r == 0, optimizer_only=0 < r < metered)
             o_ms = 0.0
             if r < whole:
                 with MemoryMeter(device_type=runner.device_type) as meter:

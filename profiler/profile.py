@@ -28,7 +28,9 @@ and every pass holds at most what the most frugal plan holds. The passes, in ord
    may not fit the device the user plans for). The head's rewrite is checked on one
    example before pass 0, so that passes 0 and 1 compute it over the most chunks.
    Asked by a budget (``variants_needed``, from ``remat.solve``), the head as it is runs
-   first and the most frugal variant only where the budget is below its floor;
+   first and the most frugal variant only where the budget is below its floor, and the
+   rewrite's check runs only then (passes 0 and 1, which save nothing and read no loss,
+   compute the head chunked unchecked meanwhile: :func:`~.heads.model_head`);
 5. **assembly** (:mod:`.assemble`): the figures become a :class:`Profile` (nothing runs).
 
 The passes hand each other the records of :mod:`.records`, never their own; the tools
@@ -65,7 +67,7 @@ import torch
 from torch import nn
 
 from remat.core.checks import check_head_setting, check_profile_args, check_timing
-from remat.core.errors import DeviceMemoryError, ProfileError
+from remat.core.errors import DeviceMemoryError, ProfileError, RematError
 from remat.core.loop import Loop, loop_or_default
 from remat.core.option import Option
 from remat.core.profile import Profile
@@ -81,7 +83,14 @@ from remat.profiler.assemble import build_profile, input_shapes, model_dtype
 from remat.profiler.capture import trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
-from remat.profiler.heads import frugal_forwards, head_profile, head_to_measure, model_head
+from remat.profiler.heads import (
+    checked_head,
+    frugal_forwards,
+    head_failed_pass,
+    head_profile,
+    head_to_measure,
+    model_head,
+)
 from remat.profiler.outside import measure_outside
 from remat.profiler.progress import Progress
 from remat.profiler.records import (
@@ -343,11 +352,25 @@ def _profile(
                                 loop, device.type)
             run = _Profiling(model, sample_batch, settings, device, opts, watch, bar, runner,
                              state)
+            # A budget's profile checks the chunked head only where the budget needs it.
+            lazy = settings.variants_needed is not None and head == "auto"
             with _out_of_memory_is_named("the check of the chunked head on one example"):
-                found = model_head(head, loop, runner, state)
-            with frugal_forwards(head, loop, model, found) as through_head_loss:
-                chosen = _units_pass(run, units, given, level)
-                trace, measurer = _capture_pass(run, chosen)
+                found = model_head(head, loop, runner, state, check=not lazy)
+            try:
+                chosen, trace, measurer, through_head_loss = _forward_passes(
+                    run, units, given, level, found)
+            except (torch.OutOfMemoryError, RematError):
+                raise
+            except Exception:
+                # Whose error: the unchecked rewrite's (its check fails) or the model's.
+                _reset(state)
+                with _out_of_memory_is_named("the check of the chunked head on one example"):
+                    as_written = head_failed_pass(head, runner, state, found)
+                if as_written is None:
+                    raise
+                found = as_written
+                chosen, trace, measurer, through_head_loss = _forward_passes(
+                    run, units, given, level, found)
             clear_grads(state.params)
             state.rng.restore()
             state.restore_buffers()
@@ -356,7 +379,8 @@ def _profile(
             ordered = [(name, trace.calls[name].module) for name in trace.order]
             # In train mode, as the session runs the model: what recomputation snapshots.
             stashed = [recompute_snapshot_bytes(module, device.type) for _, module in ordered]
-            found = head_to_measure(head, loop, runner, state, through_head_loss, found)
+            found = head_to_measure(head, loop, runner, state, through_head_loss, found,
+                                    check=not lazy)
             # Before the outside steps, which give the optimizer its state.
             fixed = fixed_bytes(model, settings.optimizer) + batch_bytes(sample_batch, device)
 
@@ -368,8 +392,13 @@ def _profile(
 
             asked = settings.variants_needed
             needed = None if asked is None else (lambda top: asked(assemble([top], 0.0)))
+            def confirmed() -> HeadSite | None:
+                nonlocal found
+                found = checked_head(head, runner, state, found)
+                return found.site
+
             runs = _outside_passes(run, ordered, trace.chain.is_chain, measurer, found.site,
-                                   needed)
+                                   needed, confirmed)
     finally:
         bar.close()
     seconds = time.perf_counter() - started
@@ -381,6 +410,24 @@ def _profile(
         result = replace(result, meta={**result.meta, "head_variants": left_out})
     _log_profiled(result, run, chosen.choice, seconds)
     return result, chosen.choice
+
+
+def _forward_passes(run: _Profiling, units: UnitsSpec,
+                    given: list[tuple[str, nn.Module]] | None, level: str, found: HeadFinding
+                    ) -> tuple[_UnitsFound, UnitTrace, UnitMeasurer, dict[int, int]]:
+    """Passes 0 and 1, the head computed over the most chunks where one is found
+    (:func:`frugal_forwards`); and the heads that went through :func:`remat.head_loss`."""
+    settings = run.settings
+    with frugal_forwards(settings.head, settings.loop, run.model, found) as through_head_loss:
+        chosen = _units_pass(run, units, given, level)
+        trace, measurer = _capture_pass(run, chosen)
+    return chosen, trace, measurer, through_head_loss
+
+
+def _reset(state: ModelState) -> None:
+    clear_grads(state.params)
+    state.rng.restore()
+    state.restore_buffers()
 
 
 def _units_pass(run: _Profiling, units: UnitsSpec, given: list[tuple[str, nn.Module]] | None,
@@ -418,10 +465,12 @@ def _capture_pass(run: _Profiling, found: _UnitsFound) -> tuple[UnitTrace, UnitM
 
 def _outside_passes(run: _Profiling, ordered: list[tuple[str, nn.Module]], is_chain: bool,
                     measurer: UnitMeasurer, site: HeadSite | None,
-                    needed: Callable[[OutsideRun], bool] | None) -> list[OutsideRun]:
+                    needed: Callable[[OutsideRun], bool] | None,
+                    confirmed: Callable[[], HeadSite | None]) -> list[OutsideRun]:
     """Passes 2 to 4: the code outside the units, timed and instrumented, for the head as
     it is and over each chunk count where one is measured (the runs that fit; ``needed``:
-    the variants only where a budget needs them)."""
+    the variants only where a budget needs them, once ``confirmed()`` says the head's
+    rewrite passes its check)."""
     settings = run.settings
     trained = {i: measurer.trained[name] for i, (name, _) in enumerate(ordered)
                if name in measurer.trained}
@@ -435,7 +484,7 @@ def _outside_passes(run: _Profiling, ordered: list[tuple[str, nn.Module]], is_ch
             timed=TimedRuns(settings.warmup, settings.repeats, settings.tolerance, units_ms),
             trained=trained, site=site,
             unit_figures=[measurer.figures[name] for name, _ in ordered],
-            variants_needed=needed)
+            variants_needed=needed, confirmed=confirmed)
 
 
 def _measurements(run: _Profiling, ordered: list[tuple[str, nn.Module]], trace: UnitTrace,

@@ -354,6 +354,9 @@ class HeadFinding:
 
     site: HeadSite | None = None
     refusal: str | None = None
+    # False: found, its rewrite not yet checked (a budget's profile checks it only where
+    # the budget needs the chunked head: :func:`remat.profiler.heads.checked_head`).
+    checked: bool = True
 
 
 @dataclass(frozen=True)

@@ -40,17 +40,17 @@ def _model() -> nn.Sequential:
 
 
 @contextmanager
-def _counting(model: nn.Module) -> Iterator[tuple[_Counts, object]]:
+def _counting(model: nn.Module, of: object = None) -> Iterator[tuple[_Counts, object]]:
     """Counts of the model's training forwards and of the backwards of its loss, and a
-    loss function that counts them."""
+    loss function that counts them (``of``'s loss, or the output's mean square)."""
     counts = _Counts()
 
     def hook(_module: nn.Module, _args: object, _out: object) -> None:
         if torch.is_grad_enabled():
             counts.forwards += 1
 
-    def loss_fn(out: torch.Tensor, _batch: object) -> torch.Tensor:
-        loss = (out * out).mean()
+    def loss_fn(out: torch.Tensor, batch: object) -> torch.Tensor:
+        loss = of(out, batch) if callable(of) else (out * out).mean()
         if loss.requires_grad:
             loss.register_hook(lambda g: setattr(counts, "backwards", counts.backwards + 1))
         return loss
@@ -62,26 +62,69 @@ def _counting(model: nn.Module) -> Iterator[tuple[_Counts, object]]:
         handle.remove()
 
 
+def _wide_model() -> nn.Sequential:
+    """:func:`_model` with a wide last layer: its output outweighs its activations."""
+    torch.manual_seed(0)
+    return nn.Sequential(*_model(), nn.Linear(64, 4096))
+
+
+def _mean_square(out: torch.Tensor, _batch: object) -> torch.Tensor:
+    return (out * out).mean()
+
+
+def _total(out: torch.Tensor, _batch: object) -> torch.Tensor:
+    return out.sum()  # its gradient is an expanded scalar: the output's has no storage
+
+
+# (model, loss, forwards of the short measurement): the next step's forward runs only
+# where it can set the peak. With a mean square, the peak is at the backward's start,
+# the output's gradient alive beside the output: never below the next forward's, which
+# has the carried output beside the new one. With a sum, the output's gradient costs
+# nothing, and the carried output (or the loss's graph) makes the next forward higher.
+_VERIFIED = [(_model, _mean_square, 1), (_wide_model, _mean_square, 1),
+             (_wide_model, _total, 2)]
+
+
 @pytest.mark.parametrize("keep_output", [True, False])
-def test_verification_without_an_optimizer_runs_one_backward(keep_output: bool) -> None:
-    """A loop without an optimizer repeats itself: verification runs one step and the next
-    one's forward (with what the loop carries alive), one backward, and measures the
-    peak that two whole steps measure."""
-    model, x = _model(), torch.randn(256, 64)
+@pytest.mark.parametrize(("build", "loss", "forwards"), _VERIFIED)
+@pytest.mark.parametrize("method", ["all", "none"])
+def test_verification_without_an_optimizer_runs_one_backward(
+        keep_output: bool, build, loss, forwards: int, method: str) -> None:  # noqa: ANN001
+    """A loop without an optimizer repeats itself: verification runs one step and, where
+    it can set the peak, the next one's forward (with what the loop carries alive): one
+    backward, and the peak that two whole steps measure, on both instruments."""
+    model, x = build(), torch.randn(256, 64)
     loop = Loop(keep_output=keep_output)
-    with _counting(model) as (counts, loss_fn):
-        plan = remat.solve(model, x, None, method="all", loss_fn=loss_fn, loop=loop,
+    with _counting(model, loss) as (counts, loss):
+        plan = remat.solve(model, x, None, method=method, loss_fn=loss, loop=loop,
                            verify=False)
         counts.forwards = counts.backwards = 0
-        short = measure_plan(model, x, plan, loss_fn=loss_fn, optimizer=None, loop=loop)
-        assert (counts.forwards, counts.backwards) == (2, 1)
+        short = measure_plan(model, x, plan, loss_fn=loss, optimizer=None, loop=loop)
+        assert (counts.forwards, counts.backwards) == (forwards, 1)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(step_module, "_repeats_itself", lambda *_: False)
-            full = measure_plan(model, x, plan, loss_fn=loss_fn, optimizer=None, loop=loop)
+            full = measure_plan(model, x, plan, loss_fn=loss, optimizer=None, loop=loop)
     assert (short.peak_bytes, short.allocator_peak_bytes) == (
         full.peak_bytes, full.allocator_peak_bytes)
     assert short.held_after_forward_bytes is None  # not asked for: one forward less
 
+
+def test_the_allocators_view_overrules_a_skipped_forward() -> None:
+    """The allocator's view on CPU is read only once its region has ended: where it says
+    the skipped forward could have set its peak, the step is measured again with it."""
+    model, x = _model(), torch.randn(256, 64)
+    with _counting(model) as (counts, loss):
+        plan = remat.solve(model, x, None, method="all", loss_fn=loss, verify=False)
+        counts.forwards = counts.backwards = 0
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(step_module._NextForward, "allocator_holds", lambda *_: False)
+            again = measure_plan(model, x, plan, loss_fn=loss, optimizer=None, loop=Loop())
+        assert (counts.forwards, counts.backwards) == (1 + 2, 2)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(step_module, "_repeats_itself", lambda *_: False)
+            full = measure_plan(model, x, plan, loss_fn=loss, optimizer=None, loop=Loop())
+    assert (again.peak_bytes, again.allocator_peak_bytes) == (
+        full.peak_bytes, full.allocator_peak_bytes)
 
 
 class _Stashing(nn.Module):
@@ -111,7 +154,8 @@ def test_verification_runs_a_whole_second_step_where_memory_outlives_the_loop() 
         counts.forwards = counts.backwards = 0
         model.stash.clear()
         short = measure_plan(model, x, plan, loss_fn=loss_fn, optimizer=None, loop=Loop())
-        assert (counts.forwards, counts.backwards) == (3, 2)
+        # The next forward is not run (it cannot set the peak), the whole step is.
+        assert (counts.forwards, counts.backwards) == (2, 2)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(step_module, "_repeats_itself", lambda *_: False)
             model.stash.clear()
@@ -123,7 +167,8 @@ def test_verification_runs_a_whole_second_step_where_memory_outlives_the_loop() 
 def test_verification_with_an_optimizer_runs_one_backward() -> None:
     """The optimizer's state is made before the measured step (one optimizer step over
     zero gradients), so the step is the steady one: one step and the next one's forward,
-    one backward (tests/test_steady_state.py: the peak of two whole steps)."""
+    one backward, the next forward only where it can set the peak
+    (tests/test_steady_state.py: the peak of two whole steps)."""
     model, x = _model(), torch.randn(64, 64)
     optimizer = torch.optim.Adam(model.parameters())
     with _counting(model) as (counts, loss_fn):
@@ -131,7 +176,8 @@ def test_verification_with_an_optimizer_runs_one_backward() -> None:
                            optimizer=optimizer, verify=False)
         counts.forwards = counts.backwards = 0
         measure_plan(model, x, plan, loss_fn=loss_fn, optimizer=optimizer, loop=Loop())
-    assert (counts.forwards, counts.backwards) == (2, 1)
+    # The next forward cannot set the peak here (the optimizer's step does): not run.
+    assert (counts.forwards, counts.backwards) == (1, 1)
 
 
 class _Watch(Stopwatch):
@@ -164,15 +210,38 @@ def test_outside_time_is_judged_against_the_step() -> None:
 
 
 def test_metered_optimizer_steps_are_the_outside_warm_up() -> None:
-    """With an optimizer, the metered stub steps (two whole, one per parameter) warm the
-    outside code up: no un-timed step after them."""
+    """With an optimizer, the first metered stub step warms the outside code up (no
+    un-timed step after it); the other two metered ones (whole, per parameter) step the
+    optimizer over zero gradients, without a forward."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with _counting(model) as (counts, loss_fn), training_session(model, optimizer) as state:
         runner = StepRunner(model, torch.randn(8, 64), loss_fn, optimizer, Loop(), "cpu")
         time_outside(runner, list(model), state, _Watch(torch.device("cpu")), warmup=1,
                      repeats=3, tolerance=0.05, units_ms=1000.0)
-    assert counts.forwards == 3 + 2
+    assert counts.forwards == 1 + 2
+
+
+def test_optimizer_figures_without_the_steps_that_made_the_gradients() -> None:
+    """The optimizer's metered figures are the same whether its steps follow a whole stub
+    step each or zero gradients laid out as the first one's."""
+    import remat.profiler.outside_time as outside_time
+
+    def figures(layouts):  # noqa: ANN001, ANN202
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        with pytest.MonkeyPatch.context() as patch, training_session(model, optimizer) as state:
+            patch.setattr(outside_time, "_grad_layouts", layouts)
+            runner = StepRunner(model, torch.randn(8, 64), lambda out, _: out.square().mean(),
+                                optimizer, Loop(), "cpu")
+            times = time_outside(runner, list(model), state, _Watch(torch.device("cpu")),
+                                 warmup=1, repeats=3, tolerance=0.05, units_ms=1000.0)
+        return (times.optimizer_state_bytes, times.optimizer_step_peak_bytes,
+                times.param_step_peaks and sorted(times.param_step_peaks.values()))
+
+    whole_steps = figures(lambda _params: None)
+    assert whole_steps[1] > 0 and whole_steps[2]
+    assert figures(outside_time._grad_layouts) == whole_steps
 
 
 class _SplitWatch(Stopwatch):
@@ -198,3 +267,124 @@ def test_an_options_split_it_does_not_use_does_not_hold_its_timing() -> None:
     samples = time_unit(trace.calls["1"], ["keep", "selective"], runner,
                         _SplitWatch(torch.device("cpu")), warmup=0, repeats=3, tolerance=0.05)
     assert samples.rounds == 2
+
+
+class _Counted(nn.Module):
+    """A layer that counts the times its forward really ran."""
+
+    def __init__(self, wrap: bool = False) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+        self.wrap = wrap  # return a dataclass, which may hold tensors its structure hides
+        self.ran: list[int] = []  # changed in place: the session puts rebound ones back
+
+    @property
+    def runs(self) -> int:
+        return len(self.ran)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | _Wrapped:
+        if isinstance(x, _Wrapped):
+            x = x.value
+        self.ran.append(1)
+        y = self.body(x)
+        return _Wrapped(y) if self.wrap else y
+
+
+@dataclass
+class _Wrapped:
+    value: torch.Tensor
+
+
+def _outside_steps(model: nn.Sequential, x: torch.Tensor) -> int:
+    """:func:`time_outside` over ``model``'s layers as units; the steps it ran."""
+    with _counting(model) as (counts, loss_fn), training_session(model) as state:
+        runner = StepRunner(model, x, loss_fn, None, Loop(), "cpu")
+        time_outside(runner, list(model), state, _Watch(torch.device("cpu")), warmup=1,
+                     repeats=3, tolerance=0.05, units_ms=1000.0)
+    return counts.forwards
+
+
+def test_outside_time_runs_the_units_in_its_first_step_only() -> None:
+    """The stub steps that only time the outside code hand out zeros shaped as the units'
+    outputs were in the first step: the units' forwards run once, in that step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Counted() for _ in range(3)))
+    assert _outside_steps(model, torch.randn(8, 64)) == 1 + 2
+    assert [unit.runs for unit in model] == [1, 1, 1]
+
+
+def test_a_unit_whose_output_can_hide_tensors_runs_in_every_step() -> None:
+    """A dataclass output may hold tensors its structure does not show: run for real."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Counted(), _Counted(wrap=True), _Counted())
+    assert _outside_steps(model, torch.randn(8, 64)) == 1 + 2
+    assert [unit.runs for unit in model] == [1, 3, 1]
+
+
+def test_a_stub_called_on_other_shapes_runs_for_real() -> None:
+    """Zeros stand in for a call only where the inputs have the shapes and kinds of the
+    call seen in the first step (a unit called twice per step on different shapes)."""
+    from remat.profiler.stub import StubClock, stubbed
+
+    torch.manual_seed(0)
+    unit = _Counted()
+    with stubbed([unit]) as clock:
+        assert isinstance(clock, StubClock)
+        for step in range(3):
+            clock.new_step(shapes_only=step > 0)
+            small = unit(torch.randn(4, 64, requires_grad=True))
+            other = unit(torch.randn(4 + step, 64, requires_grad=True))
+            assert small.shape == (4, 64) and other.shape == (4 + step, 64)
+            assert small.requires_grad and other.requires_grad
+            (small.sum() + other.sum()).backward()
+    # The first step's two calls, then each step's second call (its shape changed).
+    assert unit.runs == 2 + 2
+
+
+def test_a_unit_with_a_hook_inside_runs_in_every_step() -> None:
+    """A forward hook inside a unit may hand what it sees to the outside code (how
+    ``transformers`` collects a router's logits for its auxiliary loss): run for real."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Counted() for _ in range(3)))
+    model[1].body[0].register_forward_hook(lambda *_: None)
+    assert _outside_steps(model, torch.randn(8, 64)) == 1 + 2
+    assert [unit.runs for unit in model] == [1, 3, 1]
+
+
+class _Noting(nn.Module):
+    """Its units note a figure of what they compute in a list the outside code reads (a
+    side channel no stub with shapes only can fill)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(_Counted() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        notes: list[torch.Tensor] = []
+        for unit in self.units:
+            x = unit(x, notes)
+        return x + torch.stack(notes).view(len(self.units)).sum()  # every unit's note
+
+
+class _NotingUnit(_Counted):
+    def forward(self, x: torch.Tensor, notes: list[torch.Tensor]) -> torch.Tensor:
+        y = super().forward(x)
+        notes.append(y.mean())
+        return y
+
+
+def test_a_step_with_shapes_only_that_fails_runs_the_units_from_then_on() -> None:
+    torch.manual_seed(0)
+    model = _Noting()
+    model.units = nn.ModuleList(_NotingUnit() for _ in range(3))
+    x = torch.randn(8, 64)
+    with _counting(model) as (counts, loss_fn), training_session(model) as state:
+        runner = StepRunner(model, x, loss_fn, None, Loop(), "cpu")
+        time_outside(runner, list(model.units), state, _Watch(torch.device("cpu")),
+                     warmup=1, repeats=3, tolerance=0.05, units_ms=1000.0)
+    # The warm-up step, then the two timed ones with every unit (the first of them after
+    # its try with shapes only failed: a forward that never finished, so not counted).
+    assert counts.forwards == 1 + 2
+    # Each unit ran in the three steps that finished; in the failed one, the first unit
+    # handed out zeros, so the others, with a note fewer in their list, ran for real.
+    assert [unit.runs for unit in model.units] == [3, 4, 4]

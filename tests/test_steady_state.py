@@ -143,8 +143,9 @@ def test_one_step_from_the_state_made_ahead_measures_two_whole_steps(
     optimizer = OPTIMIZERS[optimizer_name](ref.model)
     before = _state_keys(optimizer)  # Adagrad makes its state when it is made
     steady, whole, runs = _both_ways(ref.model, ref.batch, ref.loss_fn, optimizer, remat.Loop())
-    # The optimizer step over zero gradients, then one step and the next one's forward.
-    assert (runs.forwards, runs.backwards, runs.optimizer_steps) == (2, 1, 2)
+    # The optimizer step over zero gradients, then one step and, where it can set the
+    # peak, the next one's forward (tests/test_planning_cost.py: when it is skipped).
+    assert (runs.backwards, runs.optimizer_steps) == (1, 2) and runs.forwards in (1, 2)
     assert steady.allocator_peak_bytes == whole.allocator_peak_bytes
     unseen = _unseen_scalars(optimizer, ref.model, ref.batch, ref.loss_fn)
     assert 0 <= steady.peak_bytes - whole.peak_bytes <= unseen
@@ -190,8 +191,9 @@ def test_state_made_for_a_parameter_the_step_leaves_alone_is_dropped() -> None:
     plan = remat.solve(model, x, None, method="all", loss_fn=_square, optimizer=optimizer,
                        units=["body.0", "body.1", "body.2"], verify=False)
     steady, whole, runs = _both_ways(model, x, _square, optimizer, remat.Loop(), plan)
-    # The step made ahead, one step and a forward; then two whole steps.
-    assert (runs.forwards, runs.backwards, runs.optimizer_steps) == (2 + 2, 1 + 2, 2 + 2)
+    # The step made ahead, one step (and the next forward, where it can set the peak:
+    # not here); then two whole steps.
+    assert (runs.forwards, runs.backwards, runs.optimizer_steps) == (1 + 2, 1 + 2, 2 + 2)
     assert (steady.peak_bytes, steady.allocator_peak_bytes) == (
         whole.peak_bytes, whole.allocator_peak_bytes)
     assert not optimizer.state

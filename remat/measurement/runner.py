@@ -258,21 +258,26 @@ class StepRunner:
                 p.grad.zero_()
 
     # -- whole steps ----------------------------------------------------------------
-    def micro_batch(self, carry: Carry) -> None:
-        """Forward and backward of one micro-batch.
+    def micro_batch(self, carry: Carry, after_forward: Callable[[], None] | None = None
+                    ) -> None:
+        """Forward and backward of one micro-batch (``after_forward()`` called between).
 
         ``carry`` (the previous iteration's output and loss) stays referenced until
         the new output and loss exist, as a loop's variables do until they are
         reassigned; then it names them instead.
         """
         output, loss = self.forward()
+        if after_forward is not None:
+            after_forward()
         carry.output = output if self.loop.keep_output else None
         carry.loss = loss
         del output
         self.backward(loss)
 
-    def optimizer_step_cycle(self, carry: Carry) -> None:
-        """Every micro-batch of one optimizer step, then the step and ``zero_grad``."""
-        for _ in range(self.loop.accumulation_steps):
-            self.micro_batch(carry)
+    def optimizer_step_cycle(self, carry: Carry,
+                             after_first_forward: Callable[[], None] | None = None) -> None:
+        """Every micro-batch of one optimizer step, then the step and ``zero_grad``
+        (``after_first_forward()`` called once the first micro-batch's forward ran)."""
+        for k in range(self.loop.accumulation_steps):
+            self.micro_batch(carry, after_first_forward if k == 0 else None)
         self.optimizer_step()

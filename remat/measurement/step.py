@@ -164,45 +164,95 @@ def _repeats_itself(runner: StepRunner, ahead: StateAhead | None) -> bool:
 
 
 def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
-                     dispatch: MemoryMeter | None, ahead: StateAhead | None) -> None:
+                     dispatch: MemoryMeter | None, timeline: AllocatorTimeline | None,
+                     ahead: StateAhead | None, *, next_forward: bool = False
+                     ) -> _NextForward | None:
     """What an instrument measures: ``steps + 1`` optimizer steps from nothing carried (the
     first gives the next what the loop carries into it). One step runs as
     :func:`_cycles` does; several run consecutively, as training runs them (RNG and
     buffers advance too), so that memory that changes over the steps is seen.
 
     One step of a loop that repeats itself (:func:`_repeats_itself`), with the
-    dispatch-level meter on, runs as one step and the next one's first forward: the carry
-    (the last output and loss, and whatever their graph still holds) differs from the
-    first step only until the new output and loss replace it, at the end of that forward;
-    from there the second step is the first again, from the same state, so its backward
-    (and optimizer step) is not run twice (a planned step's forward is about a third of
-    it). That holds where nothing else outlives the loop's variables, which the meter
-    tells (nothing made in the region alive once they are dropped); where something does
-    (a cache made lazily, a tensor a backward hook keeps), it is alive through the second
-    step's backward too, and a whole step runs with it."""
+    dispatch-level meter on, runs as one step and, at most, the next one's first forward:
+    the carry (the last output and loss, and whatever their graph still holds) differs
+    from the first step only until the new output and loss replace it, at the end of that
+    forward; from there the second step is the first again, from the same state, so its
+    backward (and optimizer step) is not run twice (a planned step's forward is about a
+    third of it). That holds where nothing else outlives the loop's variables, which the
+    meter tells (nothing made in the region alive once they are dropped); where something
+    does (a cache made lazily, a tensor a backward hook keeps), it is alive through the
+    second step's backward too, and a whole step runs with it.
+
+    The next forward itself is skipped where it cannot set the peak (:class:`_NextForward`,
+    returned for the allocator's view to be checked once the region has ended), unless
+    ``next_forward``."""
     if (steps == 1 and state is not None and dispatch is not None
             and _repeats_itself(runner, ahead)):
-        _step_then_forward(runner, state)
+        skipped = _step_then_forward(runner, state, dispatch, timeline, force=next_forward)
         if dispatch.live_bytes == 0:
-            return
+            return skipped
         log.debug("measured step: %d B outlive the loop's variables; one more whole step",
                   dispatch.live_bytes)
         _cycles(runner, 1, state)
-        return
+        return skipped
     _cycles(runner, steps + 1, state if steps == 1 else None)
+    return None
 
 
-def _step_then_forward(runner: StepRunner, state: ModelState) -> None:
+@dataclass
+class _NextForward:
+    """Whether the next step's first forward can set the measured peak, and so must run.
+
+    It runs as the first step's first forward ran, from the same state, with the carry
+    alive on top: every live figure of it is the first forward's plus at most the carry
+    (the bytes alive when the first step has ended). So where the first forward's peak
+    plus the carry is at most the first step's peak, the next forward cannot raise the
+    peak, and is not run: a third of a planned step less to measure. The dispatch meter
+    tells at once; the allocator's view on CPU only once its region has ended
+    (:meth:`allocator_holds`: where it does not hold, the measurement is taken again with
+    the forward). On CUDA the forward always runs: the caching allocator's reserved
+    memory, which verification reports too, is not additive, so no bound covers it.
+    """
+
+    forward_mark: int  # the allocator timeline's mark after the first forward
+    step_mark: int  # ... and at the end of the first step
+
+    def allocator_holds(self, timeline: AllocatorTimeline) -> bool:
+        return (timeline.rise(0, self.forward_mark) + timeline.live[self.step_mark]
+                <= timeline.rise(0, self.step_mark))
+
+
+def _step_then_forward(runner: StepRunner, state: ModelState, dispatch: MemoryMeter,
+                       timeline: AllocatorTimeline | None, *, force: bool = False
+                       ) -> _NextForward | None:
     """One optimizer step of the loop, then the next one's first forward with the carry
-    alive, as the loop holds it; everything dropped at the end, RNG and buffers put back."""
+    alive, as the loop holds it, where it can set the peak (:class:`_NextForward`: the
+    marks to check it by where it was skipped, else ``None``); everything dropped at the
+    end, RNG and buffers put back."""
     carry = Carry()
-    runner.optimizer_step_cycle(carry)
+    forward_mark = -1
+    first_forward_peak = 0
+
+    def after_first_forward() -> None:
+        nonlocal forward_mark, first_forward_peak
+        first_forward_peak = dispatch.peak_bytes
+        forward_mark = timeline.mark() if timeline is not None else -1
+
+    runner.optimizer_step_cycle(carry, after_first_forward)
     state.rng.restore()
     state.restore_buffers()
+    skip = not force and (timeline is None or timeline.device_type == "cpu") and (
+        first_forward_peak + dispatch.live_bytes <= dispatch.peak_bytes)
+    if skip:
+        step_mark = timeline.mark() if timeline is not None else -1
+        del carry
+        log.debug("measured step: the next forward cannot set the peak; not run")
+        return _NextForward(forward_mark, step_mark) if timeline is not None else None
     output, loss = runner.forward()
     del output, loss, carry  # the forward's graph with them
     state.rng.restore()
     state.restore_buffers()
+    return None
 
 
 @dataclass(frozen=True)
@@ -217,7 +267,8 @@ class _Peaks:
 
 
 def _instrumented(runner: StepRunner, model: nn.Module, steps: int, state: ModelState | None,
-                  ahead: StateAhead | None, *, allocator: bool, meter: bool) -> _Peaks:
+                  ahead: StateAhead | None, *, allocator: bool, meter: bool,
+                  next_forward: bool = False) -> _Peaks:
     """The measured steps (:func:`_measured_cycles`) under both instruments at once, each
     figure the instrument's rise plus what the step holds from its start (``model``'s
     state, whose wrapper the runner may call)."""
@@ -235,16 +286,22 @@ def _instrumented(runner: StepRunner, model: nn.Module, steps: int, state: Model
             timeline.mark()
         if dispatch is not None:
             stack.enter_context(dispatch)
-        _measured_cycles(runner, steps, state, dispatch, ahead)
+        skipped = _measured_cycles(runner, steps, state, dispatch, timeline, ahead,
+                                   next_forward=next_forward)
         if timeline is not None:
-            timeline.mark()
+            end = timeline.mark()
+    if skipped is not None and timeline is not None and not skipped.allocator_holds(timeline):
+        log.debug("measured step: the allocator's view could rise in the next forward; "
+                  "measured again with it")
+        return _instrumented(runner, model, steps, state, ahead, allocator=allocator,
+                             meter=meter, next_forward=True)
     peaks = _Peaks(resident)
     if dispatch is not None:
         peaks = dataclasses.replace(peaks, peak=resident + dispatch.peak_bytes,
                                     cuda_peak=dispatch.cuda_peak_bytes)
     if timeline is not None:
         reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else None
-        peaks = dataclasses.replace(peaks, allocator_peak=resident + timeline.rise(0, 1),
+        peaks = dataclasses.replace(peaks, allocator_peak=resident + timeline.rise(0, end),
                                     reserved=reserved)
     return peaks
 
