@@ -164,9 +164,8 @@ def _repeats_itself(runner: StepRunner, ahead: StateAhead | None) -> bool:
 
 
 def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
-                     dispatch: MemoryMeter | None, timeline: AllocatorTimeline | None,
-                     ahead: StateAhead | None, *, next_forward: bool = False
-                     ) -> _NextForward | None:
+                     dispatch: MemoryMeter | None, regions: _AllocatorRegions | None,
+                     ahead: StateAhead | None) -> None:
     """What an instrument measures: ``steps + 1`` optimizer steps from nothing carried (the
     first gives the next what the loop carries into it). One step runs as
     :func:`_cycles` does; several run consecutively, as training runs them (RNG and
@@ -183,52 +182,86 @@ def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
     does (a cache made lazily, a tensor a backward hook keeps), it is alive through the
     second step's backward too, and a whole step runs with it.
 
-    The next forward itself is skipped where it cannot set the peak (:class:`_NextForward`,
-    returned for the allocator's view to be checked once the region has ended), unless
-    ``next_forward``."""
+    The next forward itself runs only where it can set the peak (:func:`_step_then_forward`)."""
     if (steps == 1 and state is not None and dispatch is not None
             and _repeats_itself(runner, ahead)):
-        skipped = _step_then_forward(runner, state, dispatch, timeline, force=next_forward)
+        unseen = _step_then_forward(runner, state, dispatch, regions)
         if dispatch.live_bytes == 0:
-            return skipped
+            return False
         log.debug("measured step: %d B outlive the loop's variables; one more whole step",
                   dispatch.live_bytes)
+        if regions is not None and not regions.active:
+            regions.resume(freed_between=unseen)
         _cycles(runner, 1, state)
-        return skipped
+        return False
     _cycles(runner, steps + 1, state if steps == 1 else None)
-    return None
 
 
-@dataclass
-class _NextForward:
-    """Whether the next step's first forward can set the measured peak, and so must run.
+class _AllocatorRegions:
+    """The allocator's view of the measured steps, in one region or, where the next
+    forward is decided on (:func:`_step_then_forward`), in two: on CPU the view is read
+    only when its region ends. Figures are above the first region's start: the peak over
+    the regions, each region's rise counted above the live bytes the one before ended
+    with, less what was freed between them (``freed_between``, as the dispatch meter
+    counted it: the same storages)."""
 
-    It runs as the first step's first forward ran, from the same state, with the carry
-    alive on top: every live figure of it is the first forward's plus at most the carry
-    (the bytes alive when the first step has ended). So where the first forward's peak
-    plus the carry is at most the first step's peak, the next forward cannot raise the
-    peak, and is not run: a third of a planned step less to measure. The dispatch meter
-    tells at once; the allocator's view on CPU only once its region has ended
-    (:meth:`allocator_holds`: where it does not hold, the measurement is taken again with
-    the forward). On CUDA the forward always runs: the caching allocator's reserved
-    memory, which verification reports too, is not additive, so no bound covers it.
-    """
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.peak_bytes = 0
+        self._base = 0  # live bytes above the first start where the current region began
+        self._timeline: AllocatorTimeline | None = None
 
-    forward_mark: int  # the allocator timeline's mark after the first forward
-    step_mark: int  # ... and at the end of the first step
+    @property
+    def active(self) -> bool:
+        return self._timeline is not None
 
-    def allocator_holds(self, timeline: AllocatorTimeline) -> bool:
-        return (timeline.rise(0, self.forward_mark) + timeline.live[self.step_mark]
-                <= timeline.rise(0, self.step_mark))
+    def __enter__(self) -> _AllocatorRegions:
+        self.resume()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timeline is not None:
+            self.stop()
+
+    def resume(self, *, freed_between: int = 0) -> None:
+        """A new region, from where the last one ended less ``freed_between``."""
+        self._base -= freed_between
+        self._timeline = AllocatorTimeline(self.device_type).__enter__()
+        self._timeline.mark()
+
+    def mark(self) -> int:
+        assert self._timeline is not None
+        return self._timeline.mark()
+
+    def stop(self) -> tuple[AllocatorTimeline, int]:
+        """End the region; its timeline (read) and its last mark."""
+        timeline, self._timeline = self._timeline, None
+        assert timeline is not None
+        end = timeline.mark()
+        timeline.__exit__(None, None, None)
+        self.peak_bytes = max(self.peak_bytes, self._base + timeline.rise(0, end))
+        self._base += timeline.live[end]
+        return timeline, end
 
 
 def _step_then_forward(runner: StepRunner, state: ModelState, dispatch: MemoryMeter,
-                       timeline: AllocatorTimeline | None, *, force: bool = False
-                       ) -> _NextForward | None:
+                       regions: _AllocatorRegions | None) -> int:
     """One optimizer step of the loop, then the next one's first forward with the carry
-    alive, as the loop holds it, where it can set the peak (:class:`_NextForward`: the
-    marks to check it by where it was skipped, else ``None``); everything dropped at the
-    end, RNG and buffers put back."""
+    alive, as the loop holds it, where it can set the peak; everything dropped at the
+    end, RNG and buffers put back.
+
+    The next forward runs as the first step's first forward ran, from the same state,
+    with the carry alive on top: every live figure of it is the first forward's plus at
+    most what the first step left alive. So where the first forward's peak plus that is
+    at most the first step's peak, on both instruments, it cannot raise the peak and is
+    not run: a third of a planned step less to measure. The dispatch meter tells at once;
+    the allocator's view on CPU once its region is ended and read, which this does there
+    (where it does not hold, the forward runs in a second region, the carry still alive).
+    On CUDA the forward always runs: the caching allocator's reserved memory, which
+    verification reports too, is not additive, so no bound covers it.
+
+    Returns the bytes freed outside the allocator's view (the carry, where its region
+    had ended), for a region that follows (:meth:`_AllocatorRegions.resume`)."""
     carry = Carry()
     forward_mark = -1
     first_forward_peak = 0
@@ -236,23 +269,35 @@ def _step_then_forward(runner: StepRunner, state: ModelState, dispatch: MemoryMe
     def after_first_forward() -> None:
         nonlocal forward_mark, first_forward_peak
         first_forward_peak = dispatch.peak_bytes
-        forward_mark = timeline.mark() if timeline is not None else -1
+        forward_mark = regions.mark() if regions is not None else -1
 
     runner.optimizer_step_cycle(carry, after_first_forward)
     state.rng.restore()
     state.restore_buffers()
-    skip = not force and (timeline is None or timeline.device_type == "cpu") and (
-        first_forward_peak + dispatch.live_bytes <= dispatch.peak_bytes)
-    if skip:
-        step_mark = timeline.mark() if timeline is not None else -1
+    on_cpu = regions is None or regions.device_type == "cpu"
+    if (on_cpu and first_forward_peak + dispatch.live_bytes <= dispatch.peak_bytes
+            and _allocator_bound_holds(regions, forward_mark)):
+        held = dispatch.live_bytes
         del carry
         log.debug("measured step: the next forward cannot set the peak; not run")
-        return _NextForward(forward_mark, step_mark) if timeline is not None else None
+        return held - dispatch.live_bytes if regions is not None else 0
     output, loss = runner.forward()
     del output, loss, carry  # the forward's graph with them
     state.rng.restore()
     state.restore_buffers()
-    return None
+    return 0
+
+
+def _allocator_bound_holds(regions: _AllocatorRegions | None, forward_mark: int) -> bool:
+    """The bound of :func:`_step_then_forward` on the allocator's view, its region ended to
+    read it (and a new one begun where it does not hold, for the forward to run in)."""
+    if regions is None:
+        return True
+    timeline, end = regions.stop()
+    holds = timeline.rise(0, forward_mark) + timeline.live[end] <= timeline.rise(0, end)
+    if not holds:
+        regions.resume()
+    return holds
 
 
 @dataclass(frozen=True)
@@ -267,8 +312,7 @@ class _Peaks:
 
 
 def _instrumented(runner: StepRunner, model: nn.Module, steps: int, state: ModelState | None,
-                  ahead: StateAhead | None, *, allocator: bool, meter: bool,
-                  next_forward: bool = False) -> _Peaks:
+                  ahead: StateAhead | None, *, allocator: bool, meter: bool) -> _Peaks:
     """The measured steps (:func:`_measured_cycles`) under both instruments at once, each
     figure the instrument's rise plus what the step holds from its start (``model``'s
     state, whose wrapper the runner may call)."""
@@ -276,32 +320,23 @@ def _instrumented(runner: StepRunner, model: nn.Module, steps: int, state: Model
     resident = resident_bytes(model, runner.optimizer, batch=runner.batch, device=device)
     # Both instruments watch the same steps: the allocator's view outside, the
     # dispatch-level meter inside it (the meter allocates no tensor of its own).
-    timeline = AllocatorTimeline(device.type) if allocator else None
+    regions = _AllocatorRegions(device.type) if allocator else None
     dispatch = MemoryMeter(device_type=device.type) if meter else None
     with contextlib.ExitStack() as stack:
         if ahead is not None:
             stack.enter_context(ahead.watching())
-        if timeline is not None:
-            stack.enter_context(timeline)
-            timeline.mark()
+        if regions is not None:
+            stack.enter_context(regions)
         if dispatch is not None:
             stack.enter_context(dispatch)
-        skipped = _measured_cycles(runner, steps, state, dispatch, timeline, ahead,
-                                   next_forward=next_forward)
-        if timeline is not None:
-            end = timeline.mark()
-    if skipped is not None and timeline is not None and not skipped.allocator_holds(timeline):
-        log.debug("measured step: the allocator's view could rise in the next forward; "
-                  "measured again with it")
-        return _instrumented(runner, model, steps, state, ahead, allocator=allocator,
-                             meter=meter, next_forward=True)
+        _measured_cycles(runner, steps, state, dispatch, regions, ahead)
     peaks = _Peaks(resident)
     if dispatch is not None:
         peaks = dataclasses.replace(peaks, peak=resident + dispatch.peak_bytes,
                                     cuda_peak=dispatch.cuda_peak_bytes)
-    if timeline is not None:
+    if regions is not None:
         reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else None
-        peaks = dataclasses.replace(peaks, allocator_peak=resident + timeline.rise(0, end),
+        peaks = dataclasses.replace(peaks, allocator_peak=resident + regions.peak_bytes,
                                     reserved=reserved)
     return peaks
 
