@@ -395,3 +395,19 @@ def test_a_step_with_shapes_only_that_fails_runs_the_units_from_then_on() -> Non
     # Each unit ran in the three steps that finished; in the failed one, the first unit
     # handed out zeros, so the others, with a note fewer in their list, ran for real.
     assert [unit.runs for unit in model.units] == [3, 4, 4]
+
+
+def test_under_several_ranks_the_next_forward_always_runs() -> None:
+    """Each rank's bound is its own: a rank that skipped the forward would leave the
+    others' collectives in it waiting (an FSDP2 verification hung so on 2 gloo ranks)."""
+    model, x = _model(), torch.randn(256, 64)
+    with _counting(model) as (counts, loss):
+        plan = remat.solve(model, x, None, method="all", loss_fn=loss, verify=False)
+        counts.forwards = counts.backwards = 0
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(step_module, "_other_ranks_step", lambda: True)
+            measure_plan(model, x, plan, loss_fn=loss, optimizer=None, loop=Loop())
+        assert (counts.forwards, counts.backwards) == (2, 1)
+        counts.forwards = counts.backwards = 0
+        measure_plan(model, x, plan, loss_fn=loss, optimizer=None, loop=Loop())
+        assert (counts.forwards, counts.backwards) == (1, 1)  # alone, it is skipped here

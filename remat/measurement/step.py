@@ -258,7 +258,8 @@ def _step_then_forward(runner: StepRunner, state: ModelState, dispatch: MemoryMe
     the allocator's view on CPU once its region is ended and read, which this does there
     (where it does not hold, the forward runs in a second region, the carry still alive).
     On CUDA the forward always runs: the caching allocator's reserved memory, which
-    verification reports too, is not additive, so no bound covers it.
+    verification reports too, is not additive, so no bound covers it; and under several
+    ranks (:func:`_other_ranks_step`).
 
     Returns the bytes freed outside the allocator's view (the carry, where its region
     had ended), for a region that follows (:meth:`_AllocatorRegions.resume`)."""
@@ -275,7 +276,8 @@ def _step_then_forward(runner: StepRunner, state: ModelState, dispatch: MemoryMe
     state.rng.restore()
     state.restore_buffers()
     on_cpu = regions is None or regions.device_type == "cpu"
-    if (on_cpu and first_forward_peak + dispatch.live_bytes <= dispatch.peak_bytes
+    cannot_rise = first_forward_peak + dispatch.live_bytes <= dispatch.peak_bytes
+    if (on_cpu and not _other_ranks_step() and cannot_rise
             and _allocator_bound_holds(regions, forward_mark)):
         held = dispatch.live_bytes
         del carry
@@ -286,6 +288,15 @@ def _step_then_forward(runner: StepRunner, state: ModelState, dispatch: MemoryMe
     state.rng.restore()
     state.restore_buffers()
     return 0
+
+
+def _other_ranks_step() -> bool:
+    """Whether other ranks run this step beside this one (``torch.distributed`` with more
+    than one): the decision on the next forward is each rank's own, and a rank that
+    skipped it would leave the others' collectives in it (FSDP's all-gathers, DDP's
+    buffer broadcast) waiting, so there it always runs."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _allocator_bound_holds(regions: _AllocatorRegions | None, forward_mark: int) -> bool:
