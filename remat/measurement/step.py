@@ -415,8 +415,9 @@ def measure_step(
     loop then repeats itself (no optimizer or its state made ahead, gradients set to
     ``None``) and nothing made in the first step outlives the loop's variables, the
     second runs only as far as its first forward, where what the first carries into it is
-    let go (:func:`_measured_cycles`): the same peak, one backward (and optimizer step)
-    less. The time is the median of ``repeats`` un-metered steps. Parameters, buffers,
+    let go (:func:`_measured_cycles`), and that forward only where it can set the peak
+    (:func:`_step_then_forward`): the same peak, one backward (and optimizer step) less.
+    The time is the median of ``repeats`` un-metered steps. Parameters, buffers,
     gradients, RNG state, train/eval modes and the optimizer state are restored
     afterwards, also when the step raises.
 
