@@ -29,7 +29,7 @@ from torch import nn
 
 from remat.execute.head import HeadSite, chunk_counts, chunked_head
 from remat.measurement.runner import StepRunner
-from remat.measurement.state import ModelState, clear_grads
+from remat.measurement.state import ModelState
 from remat.measurement.timing import Stopwatch
 from remat.profiler.grads import place_grads, place_steps
 from remat.profiler.instrument import instrumented_step
@@ -98,7 +98,7 @@ def _frugal_first(site: HeadSite | None,
         except torch.OutOfMemoryError:
             if not runs:
                 raise
-            _reset(state)
+            state.between_passes()
             what = "as it is" if chunks is None else f"over {chunks} chunks"
             log.info("remat: the head %s does not fit the device: plans compute it over at "
                      "least %d chunks", what, runs[-1].chunks)
@@ -133,7 +133,7 @@ def _as_is_first(site: HeadSite,
     try:
         as_is: OutsideRun | None = measure(None, None)
     except torch.OutOfMemoryError as err:
-        _reset(state)
+        state.between_passes()
         log.info("remat: the head as it is does not fit the device: measuring it chunked")
         as_is, too_big = None, err
     if as_is is not None and not variants_needed(as_is):
@@ -167,7 +167,7 @@ def _measure(
             watch.sync()
             step = instrumented_step(runner, ordered, is_chain=is_chain)
     finally:
-        _reset(state)
+        state.between_passes()
     if first is not None:
         times = replace(
             times, optimizer_ms=first.optimizer_ms,
@@ -181,8 +181,3 @@ def _measure(
                         prefix_peak=max(step.prefix.bwd_peak_bytes, 0))
     return OutsideRun(chunks, step, times, grads, steps)
 
-
-def _reset(state: ModelState) -> None:
-    clear_grads(state.params)
-    state.rng.restore()
-    state.restore_buffers()

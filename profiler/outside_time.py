@@ -90,7 +90,7 @@ class _Gradients:
     def step(self, *, first: bool, optimizer_only: bool) -> tuple[float, float, float]:
         """Every parameter's gradient made; the forward's time, the stubs' part of it and
         the backward's (ms; 0 where neither ran)."""
-        self._reset()
+        self.state.between_passes()
         if optimizer_only and self.layouts is not None:
             _give_grads(self.layouts)
             return 0.0, 0.0, 0.0
@@ -107,17 +107,12 @@ class _Gradients:
             log.debug("outside time: a step with shapes only failed (%s: %s); the units "
                       "run in every step", type(err).__name__, err)
             self.shapes_only = False
-            self._reset()
+            self.state.between_passes()
             times = self._forward_backward(shapes_only=False)
         give_missing_grads(self.runner.params)
         if first:
             self.layouts = _grad_layouts(self.runner.params)
         return times
-
-    def _reset(self) -> None:
-        self.state.rng.restore()
-        self.state.restore_buffers()
-        clear_grads(self.state.params)
 
     def _forward_backward(self, *, shapes_only: bool) -> tuple[float, float, float]:
         runner, watch = self.runner, self.watch

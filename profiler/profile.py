@@ -363,7 +363,7 @@ def _profile(
                 raise
             except Exception:
                 # Whose error: the unchecked rewrite's (its check fails) or the model's.
-                _reset(state)
+                state.between_passes()
                 with _out_of_memory_is_named("the check of the chunked head on one example"):
                     as_written = head_failed_pass(head, runner, state, found)
                 if as_written is None:
@@ -422,12 +422,6 @@ def _forward_passes(run: _Profiling, units: UnitsSpec,
         chosen = _units_pass(run, units, given, level)
         trace, measurer = _capture_pass(run, chosen)
     return chosen, trace, measurer, through_head_loss
-
-
-def _reset(state: ModelState) -> None:
-    clear_grads(state.params)
-    state.rng.restore()
-    state.restore_buffers()
 
 
 def _units_pass(run: _Profiling, units: UnitsSpec, given: list[tuple[str, nn.Module]] | None,

@@ -250,6 +250,14 @@ class ModelState:
             for buf, value in self._buffers:
                 buf.copy_(value)
 
+    def between_passes(self) -> None:
+        """What every measured pass starts from: no gradient, the RNG state and the
+        buffers as captured (the profiler's passes; ``outside``, ``outside_time`` and
+        ``profile`` call it between theirs)."""
+        clear_grads(self.params)
+        self.rng.restore()
+        self.restore_buffers()
+
     def restore_param_values(self) -> None:
         """Put back the parameters' values (copied only with an optimizer: without one,
         nothing writes to them), not the optimizer's state."""
