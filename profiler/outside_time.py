@@ -35,7 +35,14 @@ from remat.measurement.state import ModelState, clear_grads
 from remat.measurement.storage import optimizer_state_bytes
 from remat.measurement.timing import Stopwatch, median, parts_settled
 from remat.profiler.records import OutsideTimes
-from remat.profiler.stub import StubClock, give_missing_grads, stubbed
+from remat.profiler.stub import (
+    Layout,
+    StubClock,
+    give_missing_grads,
+    layout_of,
+    stubbed,
+    zeros_laid_out,
+)
 
 __all__ = ["time_outside"]
 
@@ -125,7 +132,7 @@ class _Gradients:
         return f_ms, stub_ms, b_ms
 
 
-_GradLayout = tuple[nn.Parameter, torch.Size, tuple[int, ...], torch.dtype, torch.device]
+_GradLayout = tuple[nn.Parameter, Layout]
 
 
 def _grad_layouts(params: list[nn.Parameter]) -> list[_GradLayout] | None:
@@ -135,15 +142,15 @@ def _grad_layouts(params: list[nn.Parameter]) -> list[_GradLayout] | None:
     grads = [(p, p.grad) for p in params if p.grad is not None]
     if any(type(g) is not torch.Tensor or g.layout != torch.strided for _, g in grads):
         return None
-    return [(p, g.shape, g.stride(), g.dtype, g.device) for p, g in grads]
+    return [(p, layout_of(g)) for p, g in grads]
 
 
 def _give_grads(layouts: list[_GradLayout]) -> None:
     """Zero gradients laid out as the first step's: the optimizer's step allocates and
     takes as long on them (its figures are its peak above the gradients, and its time on
     the timed steps, whose gradients are the backward's)."""
-    for p, size, stride, dtype, device in layouts:
-        p.grad = torch.empty_strided(size, stride, dtype=dtype, device=device).zero_()
+    for p, layout in layouts:
+        p.grad = zeros_laid_out(layout)
 
 
 def time_outside(

@@ -51,7 +51,7 @@ from torch.utils.hooks import RemovableHandle
 
 from remat.execute.options import autocast_without_cache
 
-__all__ = ["StubClock", "give_missing_grads", "stubbed"]
+__all__ = ["Layout", "StubClock", "give_missing_grads", "layout_of", "stubbed", "zeros_laid_out"]
 
 Rebuild = Callable[[list[torch.Tensor]], Any]
 
@@ -132,18 +132,31 @@ def _hooked_inside(module: nn.Module) -> bool:
                for m in module.modules() if m is not module)
 
 
+Layout = tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+def layout_of(t: torch.Tensor) -> Layout:
+    """What zeros standing for ``t`` need: its shape, strides, dtype and device."""
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def zeros_laid_out(layout: Layout) -> torch.Tensor:
+    """Zeros laid out as ``layout`` says (:func:`layout_of`)."""
+    size, stride, dtype, device = layout
+    return torch.empty_strided(size, stride, dtype=dtype, device=device).zero_()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Outputs:
     """What a real call of a stub gave, without its tensors: their layouts, the
     structure to rebuild, and the kind of the inputs it was called on."""
 
     inputs: Hashable
-    layouts: tuple[tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device], ...]
+    layouts: tuple[Layout, ...]
     rebuild: Rebuild
 
     def zeros(self) -> Any:
-        return self.rebuild([torch.empty_strided(size, stride, dtype=dtype, device=device)
-                             .zero_() for size, stride, dtype, device in self.layouts])
+        return self.rebuild([zeros_laid_out(layout) for layout in self.layouts])
 
 
 _register_hook = torch.Tensor.register_hook
@@ -266,7 +279,7 @@ class _StubForward:
         self.seen += [None] * (index + 1 - len(self.seen))
         assert run.rebuild is not None
         self.seen[index] = _Outputs(
-            inputs, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
+            inputs, tuple(layout_of(t) for t in tensors),
             run.rebuild) if run.plain else None
 
 

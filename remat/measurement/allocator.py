@@ -44,6 +44,7 @@ from remat.measurement.torch_profiler import memory_profile
 
 __all__ = [
     "AllocationEvent",
+    "AllocatorRegions",
     "AllocatorTimeline",
     "allocation_events",
     "allocator_peak",
@@ -227,3 +228,51 @@ class AllocatorTimeline:
     def rise(self, start: int, end: int) -> int:
         """Highest live bytes after mark ``start`` up to mark ``end``, above mark ``start``."""
         return max([self.live[start]] + self.peak[start + 1 : end + 1]) - self.live[start]
+
+
+class AllocatorRegions:
+    """An :class:`AllocatorTimeline` that can be ended and begun again: on CPU the view is
+    read only when its region ends, so a measurement that decides on what it has seen so
+    far (verification's next forward: :func:`remat.measurement.step._step_then_forward`)
+    ends one region and, where it goes on, begins another. Figures are above the first
+    region's start: the peak over the regions, each region's rise counted above the live
+    bytes the one before ended with, less what was freed between them
+    (``freed_between``, as the dispatch meter counted it: the same storages)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.peak_bytes = 0
+        self._base = 0  # live bytes above the first start where the current region began
+        self._timeline: AllocatorTimeline | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._timeline is not None
+
+    def __enter__(self) -> AllocatorRegions:
+        self.resume()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timeline is not None:
+            self.stop()
+
+    def resume(self, *, freed_between: int = 0) -> None:
+        """A new region, from where the last one ended less ``freed_between``."""
+        self._base -= freed_between
+        self._timeline = AllocatorTimeline(self.device_type).__enter__()
+        self._timeline.mark()
+
+    def mark(self) -> int:
+        assert self._timeline is not None
+        return self._timeline.mark()
+
+    def stop(self) -> tuple[AllocatorTimeline, int]:
+        """End the region; its timeline (read) and its last mark."""
+        timeline, self._timeline = self._timeline, None
+        assert timeline is not None
+        end = timeline.mark()
+        timeline.__exit__(None, None, None)
+        self.peak_bytes = max(self.peak_bytes, self._base + timeline.rise(0, end))
+        self._base += timeline.live[end]
+        return timeline, end

@@ -31,7 +31,7 @@ from torch import nn
 from remat.core.checks import check_count, check_profile_args, check_timing
 from remat.core.errors import ProfileError
 from remat.core.loop import Loop, loop_or_default
-from remat.measurement.allocator import AllocatorTimeline
+from remat.measurement.allocator import AllocatorRegions
 from remat.measurement.meter import MemoryMeter
 from remat.measurement.runner import Carry, LossFn, StepRunner, model_device
 from remat.measurement.state import ModelState, clear_grads, training_session
@@ -164,7 +164,7 @@ def _repeats_itself(runner: StepRunner, ahead: StateAhead | None) -> bool:
 
 
 def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
-                     dispatch: MemoryMeter | None, regions: _AllocatorRegions | None,
+                     dispatch: MemoryMeter | None, regions: AllocatorRegions | None,
                      ahead: StateAhead | None) -> None:
     """What an instrument measures: ``steps + 1`` optimizer steps from nothing carried (the
     first gives the next what the loop carries into it). One step runs as
@@ -187,65 +187,18 @@ def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
             and _repeats_itself(runner, ahead)):
         unseen = _step_then_forward(runner, state, dispatch, regions)
         if dispatch.live_bytes == 0:
-            return False
+            return
         log.debug("measured step: %d B outlive the loop's variables; one more whole step",
                   dispatch.live_bytes)
         if regions is not None and not regions.active:
             regions.resume(freed_between=unseen)
         _cycles(runner, 1, state)
-        return False
+        return
     _cycles(runner, steps + 1, state if steps == 1 else None)
 
 
-class _AllocatorRegions:
-    """The allocator's view of the measured steps, in one region or, where the next
-    forward is decided on (:func:`_step_then_forward`), in two: on CPU the view is read
-    only when its region ends. Figures are above the first region's start: the peak over
-    the regions, each region's rise counted above the live bytes the one before ended
-    with, less what was freed between them (``freed_between``, as the dispatch meter
-    counted it: the same storages)."""
-
-    def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
-        self.peak_bytes = 0
-        self._base = 0  # live bytes above the first start where the current region began
-        self._timeline: AllocatorTimeline | None = None
-
-    @property
-    def active(self) -> bool:
-        return self._timeline is not None
-
-    def __enter__(self) -> _AllocatorRegions:
-        self.resume()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._timeline is not None:
-            self.stop()
-
-    def resume(self, *, freed_between: int = 0) -> None:
-        """A new region, from where the last one ended less ``freed_between``."""
-        self._base -= freed_between
-        self._timeline = AllocatorTimeline(self.device_type).__enter__()
-        self._timeline.mark()
-
-    def mark(self) -> int:
-        assert self._timeline is not None
-        return self._timeline.mark()
-
-    def stop(self) -> tuple[AllocatorTimeline, int]:
-        """End the region; its timeline (read) and its last mark."""
-        timeline, self._timeline = self._timeline, None
-        assert timeline is not None
-        end = timeline.mark()
-        timeline.__exit__(None, None, None)
-        self.peak_bytes = max(self.peak_bytes, self._base + timeline.rise(0, end))
-        self._base += timeline.live[end]
-        return timeline, end
-
-
 def _step_then_forward(runner: StepRunner, state: ModelState, dispatch: MemoryMeter,
-                       regions: _AllocatorRegions | None) -> int:
+                       regions: AllocatorRegions | None) -> int:
     """One optimizer step of the loop, then the next one's first forward with the carry
     alive, as the loop holds it, where it can set the peak; everything dropped at the
     end, RNG and buffers put back.
@@ -262,7 +215,7 @@ def _step_then_forward(runner: StepRunner, state: ModelState, dispatch: MemoryMe
     ranks (:func:`_other_ranks_step`).
 
     Returns the bytes freed outside the allocator's view (the carry, where its region
-    had ended), for a region that follows (:meth:`_AllocatorRegions.resume`)."""
+    had ended), for a region that follows (:meth:`AllocatorRegions.resume`)."""
     carry = Carry()
     forward_mark = -1
     first_forward_peak = 0
@@ -299,7 +252,7 @@ def _other_ranks_step() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _allocator_bound_holds(regions: _AllocatorRegions | None, forward_mark: int) -> bool:
+def _allocator_bound_holds(regions: AllocatorRegions | None, forward_mark: int) -> bool:
     """The bound of :func:`_step_then_forward` on the allocator's view, its region ended to
     read it (and a new one begun where it does not hold, for the forward to run in)."""
     if regions is None:
@@ -331,7 +284,7 @@ def _instrumented(runner: StepRunner, model: nn.Module, steps: int, state: Model
     resident = resident_bytes(model, runner.optimizer, batch=runner.batch, device=device)
     # Both instruments watch the same steps: the allocator's view outside, the
     # dispatch-level meter inside it (the meter allocates no tensor of its own).
-    regions = _AllocatorRegions(device.type) if allocator else None
+    regions = AllocatorRegions(device.type) if allocator else None
     dispatch = MemoryMeter(device_type=device.type) if meter else None
     with contextlib.ExitStack() as stack:
         if ahead is not None:
