@@ -1,10 +1,24 @@
-"""Where a ``selective`` plan's extra time goes on GPT-2 124M, and the floor of that cost.
+"""GPT-2 124M at ``"50%"`` of activations: the defaults' plan against the unplanned step,
+where a ``selective`` plan's extra time goes, and the floor of that cost.
 
-At ``"50%"`` of activations ``remat.solve`` plans GPT-2 124M's blocks ``selective``
-(matmul and attention outputs kept, everything else recomputed in backward). This
-script plans every block ``selective`` (``transformers``' default config, random
-weights, dropout 0.1 as configured; batch 1 x 512, the head as written) and measures,
-in one run, on one thread pinned to one core:
+First, what a user gets: ``remat.solve(model, batch, "50%", optimizer=adamw,
+loop=remat.Loop(keep_output=False))`` with every other setting left at its default
+(``transformers``' default config, random weights, dropout 0.1; batch 1 x 512; a
+Trainer-style step: forward, backward, AdamW, ``zero_grad``), its planned step against
+the unplanned one in ABAB rounds, under two host allocators:
+
+* **glibc as it comes**: large buffers are mapped fresh and returned to the kernel, so
+  every step page-faults its activations in again (``ru_minflt`` counts them) and a step
+  that holds less memory faults less: what a CPU user's step costs;
+* **glibc keeping its memory** (``GLIBC_TUNABLES`` ``mmap_max=0``, a trim threshold no
+  step reaches; run in a child process, set before it starts): no faults after the first
+  steps, as on a GPU, whose caching allocator keeps what it reserved. This isolates the
+  compute the plan adds.
+
+Then, the breakdown, in the child whose allocator keeps its memory (page faults would
+land in whichever op touches fresh memory first): every block planned ``selective``
+(matmul and attention outputs and dropout's masks kept, everything else recomputed in
+backward), measured in one run, on one thread pinned to one core:
 
 * the unplanned and the planned step (ABAB rounds, median ratio and spread);
 * the per-block figures the solver saw: forward time, and what ``selective`` and
@@ -20,7 +34,7 @@ measured ratio adds above it is remat's own cost.
 
 Prints markdown and writes it to benchmarks/results/selective_cost.md.
 
-    .venv/bin/python benchmarks/selective_cost.py [--rounds 5] [--tokens 512]
+    .venv/bin/python benchmarks/selective_cost.py [--rounds 5] [--half-rounds 11]
 """
 
 from __future__ import annotations
@@ -29,8 +43,11 @@ import argparse
 import collections
 import copy
 import datetime as dt
+import json
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -48,7 +65,8 @@ import remat  # noqa: E402
 # What each recomputed aten op belongs to (CPU kernels; GPT-2's attention under
 # dropout runs the math path: bmm, softmax, dropout, bmm).
 GROUPS = {
-    "dropout masks": ("aten::bernoulli_", "aten::div_", "aten::empty_like"),
+    # Drawn again (bernoulli_), or copied back from the bool masks selective keeps.
+    "dropout masks": ("aten::bernoulli_", "aten::div_", "aten::empty_like", "aten::copy_"),
     "softmax": ("aten::_softmax",),
     "layer norms": ("aten::native_layer_norm",),
     "GELU (tanh form)": ("aten::tanh", "aten::pow"),
@@ -65,6 +83,75 @@ def gpt2(tokens: int, dropout: bool) -> tuple[nn.Module, dict[str, torch.Tensor]
     model = GPT2LMHeadModel(config).train()
     ids = torch.randint(0, config.vocab_size, (1, tokens))
     return model, {"input_ids": ids, "labels": ids}
+
+
+# glibc's malloc keeping what it takes: nothing mapped on its own (so nothing unmapped
+# after a step), and a trim threshold (64 GiB) no step reaches.
+KEEPING_ALLOCATOR = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def half_budget(tokens: int, rounds: int) -> dict[str, Any]:
+    """The defaults' plan at ``"50%"`` in a Trainer-style loop, against the unplanned step:
+    ABAB rounds of whole steps (optimizer included), the ratio per round, page faults per
+    step, and the profile's predicted ratio."""
+    base, batch = gpt2(tokens, dropout=True)
+    planned = copy.deepcopy(base)
+    optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (base, planned)}
+    loop = remat.Loop(keep_output=False)
+    opt = optimizers[id(planned)]
+    # The profile solve() will use (its cache); profiled first to read its predictions.
+    prof = remat.profile(planned, batch, optimizer=opt, loop=loop)
+    t0 = time.perf_counter()
+    plan = remat.solve(planned, batch, "50%", optimizer=opt, loop=loop)
+    solve_s = time.perf_counter() - t0
+    remat.apply_plan(planned, plan)
+    names = [u.name for u in prof.units]
+    predicted = (remat.simulate(prof, plan).time_ms
+                 / remat.simulate(prof, remat.Plan.keep_all(names)).time_ms)
+
+    def train_step(model: nn.Module) -> tuple[float, int]:
+        optimizer = optimizers[id(model)]
+        faults, start = _faults(), time.perf_counter()
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start, _faults() - faults
+
+    for model in (base, planned, base, planned):  # warm-up: the allocator settles
+        train_step(model)
+    runs: dict[int, list[tuple[float, int]]] = {id(base): [], id(planned): []}
+    ratios = []
+    for r in range(rounds):
+        pair = [base, planned] if r % 2 == 0 else [planned, base]
+        for model in pair:
+            runs[id(model)].append(train_step(model))
+        ratios.append(runs[id(planned)][-1][0] / runs[id(base)][-1][0])
+
+    def med(model: nn.Module, i: int) -> float:
+        return statistics.median(run[i] for run in runs[id(model)])
+
+    return {
+        "plan": plan.summary(), "solve_s": solve_s, "predicted_ratio": predicted,
+        "budget_mib": plan.budget_bytes / 2**20, "ratios": ratios,
+        "plain_ms": med(base, 0) * 1e3, "planned_ms": med(planned, 0) * 1e3,
+        "plain_faults": med(base, 1), "planned_faults": med(planned, 1),
+    }
+
+
+def keeping_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`half_budget` and the breakdown (:func:`one_setting`) in a child process
+    whose glibc keeps its memory (the tunables are read when a process starts)."""
+    env = {**os.environ, "GLIBC_TUNABLES": KEEPING_ALLOCATOR}
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", "--tokens", str(args.tokens),
+         "--half-rounds", str(args.half_rounds), "--rounds", str(args.rounds),
+         "--core", str(args.core)],
+        env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
@@ -117,26 +204,61 @@ def one_setting(tokens: int, dropout: bool, rounds: int) -> dict[str, Any]:
     for op, ms in extra.items():
         group = next((g for g, ops in GROUPS.items() if op in ops), "other")
         grouped[group] += ms
-    block = prof.units[len(prof.units) // 2]
+    unit = prof.units[len(prof.units) // 2]
+    block = {"fwd_ms": unit.fwd_ms,
+             **{f"{o}_extra_ms": unit.options[o].extra_ms for o in ("selective", "checkpoint")},
+             **{f"{o}_held_mib": unit.options[o].held_bytes / 2**20
+                for o in ("keep", "selective", "checkpoint")}}
     plain_ms = statistics.median(plain_t) * 1e3
     return {
         "dropout": dropout, "plan": plan.summary(), "plain_ms": plain_ms,
         "planned_ms": statistics.median(plan_t) * 1e3, "ratios": ratios,
         "predicted_ratio": predicted.time_ms / prof.step_ms,
-        "grouped": grouped, "recomputed_ms": sum(grouped.values()),
+        "grouped": dict(grouped), "recomputed_ms": sum(grouped.values()),
         "block": block,
     }
 
 
-def report(results: Sequence[dict[str, Any]], command: str, started: dt.datetime,
-           seconds: float) -> str:
+def half_report(halves: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = [
-        "# Where a `selective` plan's time goes on GPT-2 124M",
+        "## The `\"50%\"` plan with the defaults",
+        "",
+        "`remat.solve(model, batch, \"50%\", optimizer=adamw, "
+        "loop=remat.Loop(keep_output=False))`, dropout 0.1, batch 1 x 512; a Trainer-style "
+        "step (forward, backward, AdamW, `zero_grad`). Ratio: planned / unplanned step per "
+        "ABAB round, median (spread); faults: minor page faults per step (median).",
+        "",
+    ]
+    rows = []
+    for allocator, h in halves:
+        rows.append([
+            allocator, h["plan"], f"{h['budget_mib']:.0f}", f"{h['plain_ms']:.0f}",
+            f"{h['planned_ms']:.0f}",
+            f"**{statistics.median(h['ratios']):.3f}** "
+            f"({min(h['ratios']):.3f}-{max(h['ratios']):.3f}, {len(h['ratios'])} rounds)",
+            f"{h['predicted_ratio']:.3f}",
+            f"{h['plain_faults']:,.0f} / {h['planned_faults']:,.0f}",
+        ])
+    lines += markdown_table(
+        ["host allocator", "plan", "budget MiB", "unplanned ms", "planned ms",
+         "planned / unplanned", "predicted", "faults, unplanned / planned"], rows)
+    lines.append("")
+    return lines
+
+
+def report(results: Sequence[dict[str, Any]], halves: Sequence[tuple[str, dict[str, Any]]],
+           command: str, started: dt.datetime, seconds: float) -> str:
+    lines = [
+        "# GPT-2 124M at `\"50%\"`: the plan's step, and where `selective`'s time goes",
         "",
         f"Run {started:%Y-%m-%d %H:%M} UTC on {machine_line(threads=1)}, pinned to one core; "
         f"{seconds / 60:.1f} min. Command: `{command}`.",
         "",
-        "The plan: `selective` on every block, the head as written. Ratio: "
+        *half_report(halves),
+        "## Every block `selective`: where the time goes",
+        "",
+        "Measured with glibc keeping its memory. The plan: `selective` on every block, the "
+        "head as written. Ratio: "
         "planned / unplanned step per ABAB round (median, spread). Recomputed: the planned "
         "backward's self CPU time minus the unplanned one's, per op group (`torch.profiler`); "
         "its sum over the unplanned step is the floor of any plan that frees these "
@@ -152,7 +274,7 @@ def report(results: Sequence[dict[str, Any]], command: str, started: dt.datetime
             f"{r['planned_ms']:.0f}",
             f"**{ratio:.3f}** ({min(r['ratios']):.3f}-{max(r['ratios']):.3f})",
             f"{r['predicted_ratio']:.3f}", f"{floor:.3f}",
-            *(f"{r['grouped'][g]:.0f}" for g in (*GROUPS, "other")),
+            *(f"{r['grouped'].get(g, 0.0):.0f}" for g in (*GROUPS, "other")),
         ])
     lines += markdown_table(
         ["dropout", "plan", "unplanned ms", "planned ms", "planned / unplanned",
@@ -162,12 +284,11 @@ def report(results: Sequence[dict[str, Any]], command: str, started: dt.datetime
     block_rows = []
     for r in results:
         b = r["block"]
-        sel, ckpt = b.options["selective"], b.options["checkpoint"]
-        keep = b.options["keep"]
         block_rows.append([
-            "0.1" if r["dropout"] else "0", f"{b.fwd_ms:.0f}", f"{sel.extra_ms:.0f}",
-            f"{ckpt.extra_ms:.0f}", f"{keep.held_bytes / 2**20:.1f}",
-            f"{sel.held_bytes / 2**20:.1f}", f"{ckpt.held_bytes / 2**20:.2f}",
+            "0.1" if r["dropout"] else "0", f"{b['fwd_ms']:.0f}",
+            f"{b['selective_extra_ms']:.0f}", f"{b['checkpoint_extra_ms']:.0f}",
+            f"{b['keep_held_mib']:.1f}", f"{b['selective_held_mib']:.1f}",
+            f"{b['checkpoint_held_mib']:.2f}",
         ])
     lines += markdown_table(
         ["dropout", "forward ms", "selective adds ms", "checkpoint adds ms", "keep holds MiB",
@@ -178,18 +299,34 @@ def report(results: Sequence[dict[str, Any]], command: str, started: dt.datetime
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="ABAB rounds of the every-block selective plan")
+    parser.add_argument("--half-rounds", type=int, default=11,
+                        help="ABAB rounds of the defaults' \"50%%\" plan")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--core", type=int, default=0)
+    parser.add_argument("--child", action="store_true",
+                        help="the child's job: the \"50%%\" plan and the breakdown, as one "
+                             "JSON line")
     args = parser.parse_args(argv)
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
+    if args.child:
+        print(json.dumps({
+            "half": half_budget(args.tokens, args.half_rounds),
+            "breakdown": [one_setting(args.tokens, dropout, args.rounds)
+                          for dropout in (True, False)],
+        }))
+        return 0
     started, t0 = dt.datetime.now(dt.UTC), time.perf_counter()
-    results = [one_setting(args.tokens, dropout, args.rounds) for dropout in (True, False)]
+    as_it_comes = half_budget(args.tokens, args.half_rounds)
+    kept = keeping_memory(args)
+    halves = [("glibc as it comes", as_it_comes), ("glibc keeping its memory", kept["half"])]
+    results = kept["breakdown"]
     command = "python benchmarks/selective_cost.py " + " ".join(
         sys.argv[1:] if argv is None else argv)
     write_result(RESULTS / "selective_cost.md",
-                 report(results, command.strip(), started, time.perf_counter() - t0))
+                 report(results, halves, command.strip(), started, time.perf_counter() - t0))
     return 0
 
 

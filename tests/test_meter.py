@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from remat.measurement.meter import MemoryMeter, MeterMark
@@ -400,3 +401,27 @@ def test_cuda_allocator_peak_covers_dispatch_peak() -> None:
     assert meter.peak_bytes > 0
     assert meter.cuda_peak_bytes is not None
     assert meter.cuda_peak_bytes >= meter.peak_bytes
+
+
+class _Converting(TorchDispatchMode):
+    """Calls ``to`` below autograd, as a selective-checkpoint policy's own ops do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.relu.default:
+            self.made += [out.to(torch.bool), out.to(torch.float32), out.reshape(-1)]
+        return out
+
+
+def test_a_copy_made_by_to_below_autograd_is_counted_and_an_alias_is_not() -> None:
+    x = torch.randn(64, 32)
+    with MemoryMeter() as meter, _Converting() as converting:
+        y = torch.relu(x)
+    # relu's output, and its bool copy: ``to(float32)`` and ``reshape`` return it.
+    bool_copy, same, view = converting.made
+    assert same is y and view.data_ptr() == y.data_ptr()
+    assert meter.live_bytes == y.nbytes + bool_copy.nbytes

@@ -26,6 +26,7 @@ from remat.core.errors import RematError
 from remat.core.option import Option
 from remat.execute.arguments import CallArguments
 from remat.execute.kv_cache import drop_kv_cache
+from remat.execute.random_draws import DrawReplay, Draws, recording_policy
 
 __all__ = [
     "SELECTIVE_SAVE_OPS",
@@ -155,7 +156,9 @@ class RecomputeAsForward:
     * restores BatchNorm running statistics after it (:func:`frozen_batchnorm_stats`),
       so they update once per step;
     * for ``selective``, wraps torch's cache (:class:`RetainableCache`) so that
-      ``backward(retain_graph=True)`` twice and double backward work.
+      ``backward(retain_graph=True)`` twice and double backward work, and replays the
+      forward's dropout masks instead of drawing them again
+      (:mod:`remat.execute.random_draws`).
     """
 
     def __init__(self, modules: tuple[nn.Module, ...], selective: bool) -> None:
@@ -178,9 +181,38 @@ class RecomputeAsForward:
         flags = [m.training for m in members]
         bns = [m for m in self._batchnorms if m.track_running_stats and m.training]
         if self.selective:
-            fwd_ctx, cached = create_selective_checkpoint_contexts(selective_policy)
-            return fwd_ctx, _AsInForward(members, flags, bns, RetainableCache(cached))
+            draws = Draws()
+            fwd_ctx, cached = create_selective_checkpoint_contexts(
+                recording_policy(selective_policy, draws))
+            # The replay below torch's cache: the cache sees the Bernoulli op (and counts
+            # it) before the replay answers it.
+            return fwd_ctx, _AsInForward(members, flags, bns,
+                                         _Both(DrawReplay(draws, _graph_is_kept),
+                                               RetainableCache(cached)))
         return _NO_CONTEXT, _AsInForward(members, flags, bns, None)
+
+
+class _Both:
+    """``outer`` entered, then ``inner``; left in the reverse order (no ``ExitStack``:
+    entered once per selective unit per pass)."""
+
+    def __init__(self, outer: Any, inner: Any) -> None:
+        self.outer = outer
+        self.inner = inner
+
+    def __enter__(self) -> None:
+        self.outer.__enter__()
+        try:
+            self.inner.__enter__()
+        except BaseException:
+            self.outer.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            self.outer.__exit__(*exc)
 
 
 class _AsInForward:

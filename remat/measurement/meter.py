@@ -21,6 +21,10 @@ CPU too). One tensor made outside the dispatcher it does count: the CPU RNG stat
 that ``torch.utils.checkpoint`` stashes per region (``torch.get_rng_state()``,
 about 5 KB), by wrapping that function while the meter is active.
 
+A composite op that may return its input or a copy (``to``, ``reshape``) reaches a mode
+whole only when called below autograd (a selective-checkpoint policy's own ops): its
+output counts as an alias only where its storage is an argument's (:func:`may_copy`).
+
 c10d's collectives work in place (``allreduce_`` sums its tensors where they are, DDP's
 gradient buckets included) but their schemas return those tensors without saying they
 alias them: an output of a ``c10d`` op whose storage is one of its arguments' is counted
@@ -41,6 +45,7 @@ region that shrinks is not subtracted, as for any storage freed that predates it
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -51,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.measurement.storage import local_shard
 
-__all__ = ["MemoryMeter", "MeterMark", "returns_alias"]
+__all__ = ["MemoryMeter", "MeterMark", "may_copy", "returns_alias"]
 
 _active: list[MemoryMeter] = []  # meters entered and not exited, innermost last
 _unwrapped_resize = torch.UntypedStorage.resize_
@@ -88,6 +93,19 @@ def returns_alias(func: torch._ops.OpOverload) -> list[bool]:
         return [r.alias_info is not None for r in func._schema.returns]
     except AttributeError:  # not an OpOverload with a schema: treat outputs as fresh
         return []
+
+
+@functools.cache
+def may_copy(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func``'s schema says it returns an input though it may return a copy: a
+    composite op (``to``, ``reshape``, ``contiguous``), which reaches a mode undecomposed
+    only when called below autograd (in a selective-checkpoint policy, in another mode's
+    ``__torch_dispatch__``). Its output aliases an input only where its storage is one."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _input_storages(args: tuple, kwargs: dict | None) -> tuple[int, ...]:
@@ -209,9 +227,11 @@ class MemoryMeter(TorchDispatchMode):
             outputs = (out,)  # one return, possibly a Tensor[] (split, chunk, unbind)
         else:
             outputs = out if isinstance(out, (tuple, list)) else (out,)
-        inputs = _input_storages(args, kwargs) if func.namespace == "c10d" else ()
+        by_storage = any(aliases) and may_copy(func)
+        inputs = (_input_storages(args, kwargs) if by_storage or func.namespace == "c10d"
+                  else ())
         for i, value in enumerate(outputs):
-            aliased = aliases[i] if i < len(aliases) else False
+            aliased = aliases[i] if i < len(aliases) and not by_storage else False
             for t in tree_flatten(value)[0]:
                 if isinstance(t, torch.Tensor):
                     self._track(t, aliased=aliased or _is_input(t, inputs))
