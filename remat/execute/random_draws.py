@@ -5,8 +5,8 @@ backward, torch's way: the unit's forward runs again, with the RNG state it had.
 the unit draws dropout masks (``bernoulli``), that means drawing every mask a second
 time, and on a CPU drawing is the dearest elementwise work there is: on GPT-2 124M
 (dropout 0.1, 512 tokens, one thread) the masks were 288 of the 385 ms a ``selective``
-plan recomputed (``benchmarks/results/selective_cost.md``), a quarter of a block's
-forward per block.
+plan recomputed (``benchmarks/results/selective_cost.md``), 24 ms a block against a
+125 ms forward.
 
 A Bernoulli draw is 0 or 1, so a ``bool`` holds it exactly. Here the forward keeps a
 ``bool`` copy of each draw (:func:`recording_policy`) and the recomputation copies it
@@ -15,8 +15,9 @@ alone (torch restores it around a recomputation either way).
 
 The price: one byte per mask element held from forward to backward (GPT-2's attention
 dropout at 512 tokens: 3 MiB a block, against the 12 MiB of the float mask ``keep``
-holds), and one cast in forward. The profiler meters ``selective`` as it runs, masks
-included, so the solver sees both. Only Bernoulli draws on plain tensors are kept;
+holds), and one comparison (``ne``) per mask in forward. The profiler meters
+``selective`` as it runs, masks included, so the solver sees both. Only Bernoulli draws
+on plain tensors are kept;
 other random ops (``randn``, ``native_dropout``'s fused kernel on CUDA, whose draw is
 cheap) and tensor subclasses are drawn again as before. A recomputation that asks for
 another draw than the forward made (another shape: the forward took another path)
