@@ -17,11 +17,11 @@ The price: one byte per mask element held from forward to backward (GPT-2's atte
 dropout at 512 tokens: 3 MiB a block, against the 12 MiB of the float mask ``keep``
 holds), and one comparison (``ne``) per mask in forward. The profiler meters
 ``selective`` as it runs, masks included, so the solver sees both. Only Bernoulli draws
-on plain tensors are kept;
-other random ops (``randn``, ``native_dropout``'s fused kernel on CUDA, whose draw is
-cheap) and tensor subclasses are drawn again as before. A recomputation that asks for
-another draw than the forward made (another shape: the forward took another path)
-draws it, as torch would. Used by :class:`remat.execute.options.RecomputeAsForward`.
+on plain tensors are kept; other random ops (``randn``, ``native_dropout``'s fused
+kernel on CUDA, whose draw is cheap) and tensor subclasses are drawn again as before.
+A recomputation that asks for another draw than the forward made (another shape: the
+forward took another path) draws it, as torch would. Used by
+:class:`remat.execute.options.RecomputeAsForward`.
 """
 
 from __future__ import annotations
