@@ -206,6 +206,8 @@ def test_the_ranks_compare_every_profiling_setting() -> None:
 def _check_estimate_and_pareto(rank: int) -> None:
     import remat
     from remat.core.errors import RematError
+    from remat.execute.sharding import sharded_unit
+    from remat.profiler.sharded import IN_FLIGHT
 
     model, batch = _sharded_gpt()
     opt = torch.optim.AdamW(model.parameters())
@@ -220,8 +222,15 @@ def _check_estimate_and_pareto(rank: int) -> None:
     answers: list = [None] * WORLD
     dist.all_gather_object(answers, (str(est), frontier.drop(columns="plan").to_json()))
     assert all(a == answers[0] for a in answers), "the same estimate and frontier on every rank"
-    assert len(frontier) and all(est.lowest_bytes <= peak <= est.no_checkpoint.bytes
-                                 for peak in frontier["peak_bytes"])
+    # Each call profiles the sharded step anew, and two profiles of it differ by whole
+    # units' gathered parameters (frees on gloo's worker threads, which the predictions
+    # cover with IN_FLIGHT units: profiler/sharded.py; CI once saw 30 KB of 12 MB). So
+    # the frontier's ends are the estimate's extremes within that envelope, not exactly.
+    envelope = IN_FLIGHT * max(sharded_unit(b).gathered_bytes for b in model.blocks)
+    peaks = list(frontier["peak_bytes"])
+    assert len(peaks) and peaks == sorted(peaks), peaks
+    assert abs(peaks[0] - est.lowest_bytes) <= envelope, (peaks, est.lowest_bytes)
+    assert abs(peaks[-1] - est.no_checkpoint.bytes) <= envelope, (peaks, est.no_checkpoint)
     # Ranks that would time with other settings run other numbers of steps: refused.
     with pytest.raises(RematError, match=r"rank 1 differs from rank 0 in repeats"):
         remat.profile(model, batch, optimizer=opt, repeats=3 + 2 * rank)
