@@ -1,4 +1,4 @@
-"""Pass 3 of :mod:`.profile` (outside step).
+"""Pass 2 of :mod:`.profile` (outside step).
 
 Where each parameter's gradient is first allocated in the backward pass.
 

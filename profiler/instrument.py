@@ -1,4 +1,4 @@
-"""Pass 3 of :mod:`.profile` (outside step).
+"""Pass 2 of :mod:`.profile` (outside step).
 
 The outside step: what the code *outside* the units costs, measured in a real step.
 
@@ -58,7 +58,7 @@ from remat.profiler.records import (
     SharedInStep,
     UnitInStep,
 )
-from remat.profiler.stub import give_missing_grads, stubbed
+from remat.profiler.stub import StubClock, give_missing_grads, stubbed
 from remat.profiler.timeline import TimelineMeter
 
 __all__ = ["instrumented_step"]
@@ -210,16 +210,21 @@ def instrumented_step(
     units: list[tuple[str, nn.Module]],
     *,
     is_chain: bool,
+    clock: StubClock | None = None,
 ) -> OutsideStep:
     """Run one instrumented micro-batch of the runner's loop and its optimizer step with
-    every unit a stub (see the module docstring); ``units`` in execution order.
+    every unit a stub (see the module docstring); ``units`` in execution order. The units
+    run for real: ``clock``, where given, keeps what they gave, for stub steps with shapes
+    only after this one (:class:`~.stub.StubClock`).
 
     Gradients must be ``None`` on entry (they are allocated inside the region).
     """
     model, loop = runner.model, runner.loop
     meter = TimelineMeter(device_type=runner.device_type, allocator=True)
     grad_records: dict[int, tuple[int, int]] = {}  # gradient record -> (tick, id(param))
-    with stubbed([m for _, m in units]), meter:
+    clock = clock if clock is not None else StubClock()
+    clock.new_step(shapes_only=False)
+    with stubbed([m for _, m in units], clock), meter:
         watch = _StepWatch(meter, units)
         try:
             for _, m in units:

@@ -40,6 +40,7 @@ from remat.profiler.records import (
     OutsideTimes,
     TimedRuns,
 )
+from remat.profiler.stub import StubClock
 
 __all__ = ["measure_outside"]
 
@@ -157,15 +158,22 @@ def _measure(
     """One run; ``first``: the first run's times, whose optimizer figures (taken once)
     this one reuses."""
     modules = [m for _, m in ordered]
+    # The instrumented step runs first: its units run for real, and the clock keeps what
+    # they gave, so that the timed steps after it hand out zeros for them from their
+    # first on (a whole forward of the model saved). The parameters and the optimizer's
+    # state are put back after it, so that the timed steps' first optimizer step creates
+    # the state where the user's optimizer has none yet, as it would have.
+    clock = StubClock()
     try:
         with chunked_head(runner.model, site, chunks):
+            state.between_passes()
+            step = instrumented_step(runner, ordered, is_chain=is_chain, clock=clock)
+            state.restore_params()
             times = time_outside(runner, modules, state, watch, warmup=timed.warmup,
                                  repeats=timed.repeats, tolerance=timed.tolerance,
-                                 optimizer=first is None, units_ms=timed.units_ms)
-            state.rng.restore()
-            state.restore_buffers()
+                                 optimizer=first is None, units_ms=timed.units_ms,
+                                 clock=clock)
             watch.sync()
-            step = instrumented_step(runner, ordered, is_chain=is_chain)
     finally:
         state.between_passes()
     if first is not None:

@@ -1,8 +1,10 @@
-"""Pass 2 of :mod:`.profile` (outside time).
+"""Pass 3 of :mod:`.profile` (outside time).
 
 Stub steps (:mod:`.stub`) run plainly: the outside code's time, and the optimizer's figures.
-After the first, the stubs run with shapes only (zeros of the units' outputs, the units
-not run), since nothing here reads what the units compute.
+The stubs run with shapes only (zeros of the units' outputs, the units not run), since
+nothing here reads what the units compute: from the first step where the instrumented
+step (:mod:`.instrument`, which runs them for real) taught their outputs to the clock
+handed in, else after the first.
 
 The unplanned step is never run, so its time is derived: the outside code's forward and
 backward time, measured here on steps whose units are stubs (each step's time less the
@@ -91,7 +93,7 @@ class _Gradients:
     state: ModelState
     clock: StubClock
     watch: Stopwatch
-    shapes_only: bool = True  # after the first step; until a step with shapes only fails
+    shapes_only: bool = True  # until a step with shapes only fails
     layouts: list[_GradLayout] | None = None  # the first step's gradients
 
     def step(self, *, first: bool, optimizer_only: bool) -> tuple[float, float, float]:
@@ -101,14 +103,16 @@ class _Gradients:
         if optimizer_only and self.layouts is not None:
             _give_grads(self.layouts)
             return 0.0, 0.0, 0.0
-        # The first step runs the units; the others hand out zeros of their outputs
-        # (:mod:`.stub`, "shapes only"): only the outside code's time is read here.
+        # The stubs hand out zeros of their outputs (:mod:`.stub`, "shapes only"): only
+        # the outside code's time is read here. A stub runs its unit where the clock has
+        # not seen that call run for real (in the first step, unless the instrumented
+        # step taught it).
         try:
-            times = self._forward_backward(shapes_only=self.shapes_only and not first)
+            times = self._forward_backward(shapes_only=self.shapes_only)
         except (torch.OutOfMemoryError, RematError):
             raise
         except Exception as err:
-            if first or not self.shapes_only:
+            if not self.shapes_only:
                 raise
             # The outside code needed what a unit computes: every unit runs from now on.
             log.debug("outside time: a step with shapes only failed (%s: %s); the units "
@@ -164,6 +168,7 @@ def time_outside(
     tolerance: float = 0.0,
     optimizer: bool = True,
     units_ms: float = 0.0,
+    clock: StubClock | None = None,
 ) -> OutsideTimes:
     """Run stub steps of the runner's loop (see the module docstring): with an optimizer
     two metered ones first, then ``warmup`` un-timed and up to ``repeats`` timed ones
@@ -171,8 +176,11 @@ def time_outside(
     the optimizer out (its figures 0, no parameter's step metered): a variant of the
     outside code (a chunked head) changes the micro-batch, not the optimizer's step.
 
-    The first metered step is a whole stub step, so it is the warm-up run too (as a unit's
-    metered replay is its first warm-up run); the other metered ones step the optimizer
+    ``clock``: what the units gave in a step before (:class:`~.stub.StubClock`), so that
+    no step here runs them; without one, the first step runs them.
+
+    The first metered step is a whole stub step, so it is the warm-up run too; the other
+    metered ones step the optimizer
     alone, over zero gradients laid out as that step's (:func:`_give_grads`): neither the
     units nor the outside code run for them (a language model's head, forward and
     backward, was a third of every such step). The tolerance is a fraction of the step's
@@ -191,7 +199,7 @@ def time_outside(
     opt: list[float] = []
     total: list[float] = []
     peaks: list[int] = []
-    with stubbed(units) as clock:
+    with stubbed(units, clock) as clock:
         making = _Gradients(runner, state, clock, watch)
         for r in range(metered + warmup + repeats):
             f_ms, stub_ms, b_ms = making.step(first=r == 0, optimizer_only=0 < r < metered)

@@ -14,14 +14,16 @@ and every pass holds at most what the most frugal plan holds. The passes, in ord
    order, whether they form a chain and which links the model's code keeps; at each
    unit's call, the unit is replayed alone on its live input under each option, metered
    once and timed (twins, :mod:`.twins`, once);
-2. **outside time** (:mod:`.outside_time`): steps whose units are stubs (:mod:`.stub`:
-   their forward under ``no_grad``, a gradient of ones for their inputs) time the code
-   outside the units; with an optimizer, the first two also meter ``optimizer.step()``
-   (its state and its step's peak), and a third each parameter's own step (what
-   stepping it in backward adds: ``Loop(optimizer_in_backward=True)``);
-3. **outside step** (:mod:`.instrument`, :mod:`.grads`): one instrumented stub step
-   gives the prefix/suffix figures, the boundaries and who holds them, shared tensors,
-   what the loop keeps, and where the outside code's parameter gradients appear;
+2. **outside step** (:mod:`.instrument`, :mod:`.grads`): one instrumented step whose
+   units are stubs (:mod:`.stub`: their forward under ``no_grad``, a gradient of ones for
+   their inputs) gives the prefix/suffix figures, the boundaries and who holds them,
+   shared tensors, what the loop keeps, and where the outside code's parameter gradients
+   appear; what its units' forwards gave is kept for pass 3, which then never runs them;
+3. **outside time** (:mod:`.outside_time`): stub steps with shapes only (zeros of the
+   units' outputs) time the code outside the units; with an optimizer (its state put
+   back as it was before pass 2), the first two also meter ``optimizer.step()`` (its
+   state and its step's peak), and a third each parameter's own step (what stepping it
+   in backward adds: ``Loop(optimizer_in_backward=True)``);
 4. **head variants** (:mod:`.outside`, :mod:`.heads`, :mod:`.head_check`): passes 2 and
    3 run for the head as it is and, where a head is measured, again with the head and
    its loss over each chunk count, most frugal first (before the head as it is, which

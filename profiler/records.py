@@ -167,7 +167,7 @@ class UnitTiming:
 
 
 # --------------------------------------------------------------------------------------
-# Pass 2, outside time: the stub steps' times and the optimizer's figures
+# Pass 3, outside time: the stub steps' times and the optimizer's figures
 # --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ class OutsideTimes:
 
 
 # --------------------------------------------------------------------------------------
-# Pass 3, outside step: the outside code's bytes and the unit boundaries
+# Pass 2, outside step: the outside code's bytes and the unit boundaries
 # --------------------------------------------------------------------------------------
 
 # Who was running when a storage was saved for backward: ("prefix",), ("unit", i),

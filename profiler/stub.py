@@ -215,11 +215,19 @@ class _Stub(torch.autograd.Function):
 @dataclasses.dataclass
 class StubClock:
     """Wall time the stubs' forwards took, in milliseconds (the outside step's time
-    less this is the outside code's), and how they run in the step under way."""
+    less this is the outside code's), how they run in the step under way, and what each
+    unit's calls gave when they last ran for real.
+
+    One clock passed to several :func:`stubbed` blocks carries what the units gave from
+    one to the next: the instrumented step (:mod:`.instrument`), whose units run for real,
+    teaches the timed steps after it (:mod:`.outside_time`) the outputs they hand out as
+    zeros, so none of those runs the units (a whole forward of the model saved)."""
 
     ms: float = 0.0
     shapes_only: bool = False  # see the module docstring
     step: int = 0  # which step runs: a stub counts its calls per step
+    # id(unit) -> per call of a step, what its last real run gave (kept by the unit's stub)
+    seen: dict[int, list[_Outputs | None]] = dataclasses.field(default_factory=dict)
 
     def new_step(self, *, shapes_only: bool) -> None:
         """A new step starts: the time back to 0, and how its stubs run."""
@@ -238,7 +246,8 @@ class _StubForward:
         trainable = any(p.requires_grad for p in module.parameters())
         # Its outputs require grad when its parameters do, whatever its inputs.
         self.anchor = (torch.zeros((), requires_grad=True) if trainable else None)
-        self.seen: list[_Outputs | None] = []  # per call of a step, its last real run
+        # Per call of a step, its last real run: the clock's, so that it outlives this stub.
+        self.seen = clock.seen.setdefault(id(module), [])
         self._step, self._calls = -1, 0
 
     def _call_index(self) -> int:
@@ -276,7 +285,7 @@ class _StubForward:
     def _remember(self, index: int, inputs: Hashable, run: _Run,
                   tensors: tuple[torch.Tensor, ...]) -> None:
         """Keep what call ``index`` gave, for steps with shapes only (never its tensors)."""
-        self.seen += [None] * (index + 1 - len(self.seen))
+        self.seen.extend([None] * (index + 1 - len(self.seen)))
         assert run.rebuild is not None
         self.seen[index] = _Outputs(
             inputs, tuple(layout_of(t) for t in tensors),

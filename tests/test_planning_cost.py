@@ -320,6 +320,51 @@ def test_outside_time_runs_the_units_in_its_first_step_only() -> None:
     assert [unit.runs for unit in model] == [1, 1, 1]
 
 
+def test_the_instrumented_step_teaches_the_timed_steps_the_units_outputs() -> None:
+    """The outside passes run the units for real once: in the instrumented step, which
+    runs first and hands what they gave to the timed steps' stubs (one clock), so every
+    timed step, its first included, hands out zeros (a whole forward saved per profile)."""
+    from remat.profiler.instrument import instrumented_step
+    from remat.profiler.stub import StubClock
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Counted() for _ in range(3)))
+    x = torch.randn(8, 64)
+    clock = StubClock()
+    with _counting(model) as (counts, loss_fn), training_session(model) as state:
+        runner = StepRunner(model, x, loss_fn, None, Loop(), "cpu")
+        instrumented_step(runner, list(model.named_children()), is_chain=True, clock=clock)
+        state.between_passes()
+        time_outside(runner, list(model), state, _Watch(torch.device("cpu")), warmup=1,
+                     repeats=3, tolerance=0.05, units_ms=1000.0, clock=clock)
+    assert counts.forwards == 1 + 1 + 2  # the instrumented step, the warm-up, two timed
+    assert [unit.runs for unit in model] == [1, 1, 1]
+
+
+def test_a_first_step_with_shapes_only_that_fails_runs_the_units() -> None:
+    """Taught by the instrumented step, the timed steps' first one hands out zeros too;
+    where the outside code needs what a unit computes, it runs again with the units."""
+    from remat.profiler.instrument import instrumented_step
+    from remat.profiler.stub import StubClock
+
+    torch.manual_seed(0)
+    model = _Noting()
+    model.units = nn.ModuleList(_NotingUnit() for _ in range(3))
+    x = torch.randn(8, 64)
+    clock = StubClock()
+    with _counting(model) as (counts, loss_fn), training_session(model) as state:
+        runner = StepRunner(model, x, loss_fn, None, Loop(), "cpu")
+        units = [(f"units.{i}", u) for i, u in enumerate(model.units)]
+        instrumented_step(runner, units, is_chain=True, clock=clock)
+        state.between_passes()
+        time_outside(runner, list(model.units), state, _Watch(torch.device("cpu")),
+                     warmup=1, repeats=3, tolerance=0.05, units_ms=1000.0, clock=clock)
+    # The instrumented step, then the warm-up (after its try with shapes only failed)
+    # and two timed steps with every unit.
+    assert counts.forwards == 1 + 1 + 2
+    assert [unit.runs for unit in model.units] == [4, 5, 5]
+
+
 def test_a_unit_whose_output_can_hide_tensors_runs_in_every_step() -> None:
     """A dataclass output may hold tensors its structure does not show: run for real."""
     torch.manual_seed(0)
