@@ -180,13 +180,13 @@ def time_outside(
     no step here runs them; without one, the first step runs them.
 
     The first metered step is a whole stub step, so it is the warm-up run too; the other
-    metered ones step the optimizer
-    alone, over zero gradients laid out as that step's (:func:`_give_grads`): neither the
-    units nor the outside code run for them (a language model's head, forward and
-    backward, was a third of every such step). The tolerance is a fraction of the step's
-    time, the units' own (``units_ms``) included: the outside code of a CNN (a pooling
-    and a linear layer, 1% of its step) would otherwise need its spread within 5% of its
-    own few milliseconds, and take every repeat for a figure the step hardly sees."""
+    metered ones step the optimizer alone, over zero gradients laid out as that step's
+    (:func:`_give_grads`): neither the units nor the outside code run for them (a
+    language model's head, forward and backward, was a third of every such step). The
+    tolerance is a fraction of the step's time, the units' own (``units_ms``) included:
+    the outside code of a CNN (a pooling and a linear layer, 1% of its step) would
+    otherwise need its spread within 5% of its own few milliseconds, and take every
+    repeat for a figure the step hardly sees."""
     stepping = optimizer and runner.optimizer is not None
     steps, why = (_param_steps(runner) if stepping else
                   (None, "no optimizer" if runner.optimizer is None else "not in this run"))

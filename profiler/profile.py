@@ -447,7 +447,12 @@ def _capture_pass(run: _Profiling, found: _UnitsFound) -> tuple[UnitTrace, UnitM
     settings, choice = run.settings, found.choice
     unit_bytes = dict(choice.coverage.per_unit)
     run.bar.total += len(choice.units)  # now known
-    more_warmup = max(settings.warmup - 1, 0)  # a metered run is the first warm-up run
+    # A unit is timed before it is metered (unit_figures: the timed runs warm its kernels
+    # up for the allocator's view), so its first timed round is its first run with grad:
+    # no un-timed round comes before it for ``warmup=1``, the cold round is a sample, and
+    # where it disagrees a third round is taken, whose median of three discards it.
+    # ``warmup`` beyond 1 adds un-timed rounds.
+    more_warmup = max(settings.warmup - 1, 0)
     measurer = UnitMeasurer(
         run.options, run.runner, run.watch,
         TimingPolicy(more_warmup, settings.repeats, settings.tolerance, settings.pool_twins),
