@@ -222,9 +222,8 @@ def instrumented_step(
     model, loop = runner.model, runner.loop
     meter = TimelineMeter(device_type=runner.device_type, allocator=True)
     grad_records: dict[int, tuple[int, int]] = {}  # gradient record -> (tick, id(param))
-    clock = clock if clock is not None else StubClock()
-    clock.new_step(shapes_only=False)
-    with stubbed([m for _, m in units], clock), meter:
+    with stubbed([m for _, m in units], clock) as clock, meter:
+        clock.new_step(shapes_only=False)
         watch = _StepWatch(meter, units)
         try:
             for _, m in units:
