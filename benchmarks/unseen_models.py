@@ -17,6 +17,13 @@ verification), on models that appear nowhere else in the repository:
   Qwen2, output dropped, AdamW over the adapters;
 - ``bart-drop-output``: BART in a loop that drops the output (its decoder head adds
   ``final_logits_bias`` to the logits before its loss);
+- ``falcon``: ``transformers`` Falcon (parallel attention and MLP, ALiBi), whose blocks
+  add the attention's output in place into the MLP's last projection
+  (``mlp_output += attention_output``): a tensor ``selective`` keeps, which the profile
+  now refuses as the runtime does (torch alone trains on);
+- ``gemma2-bf16``: ``transformers`` Gemma 2 (sliding-window and global layers, logits
+  soft-capped before the loss, so the head is no plain linear and cross entropy) under
+  bf16 autocast, AdamW, output dropped;
 - ``hf-convnext-blocks``: ``transformers`` ConvNeXt-T image classifier with its 18 blocks
   as the units (``units=ConvNextLayer``): the downsampling layers between its stages are
   no units, so the units are not a chain;
@@ -117,6 +124,33 @@ def _qwen2_lora() -> Case:
     ids = torch.randint(0, 8192, (4, 128))
     return Case(model.train(), {"input_ids": ids, "labels": ids}, None,
                 remat.Loop(keep_output=False), adamw=True)
+
+
+def _falcon() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, vocab_size=4096,
+        new_decoder_architecture=False, parallel_attn=True, alibi=True, use_cache=False)
+    model = transformers.FalconForCausalLM(config).train()
+    ids = torch.randint(0, 4096, (4, 128))
+    return Case(model, {"input_ids": ids, "labels": ids}, None, remat.Loop(keep_output=False),
+                adamw=True)
+
+
+def _gemma2() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=64, vocab_size=4096,
+        max_position_embeddings=256, use_cache=False)
+    model = transformers.Gemma2ForCausalLM(config).train()
+    ids = torch.randint(0, 4096, (4, 128))
+    loop = remat.Loop(keep_output=False, autocast="bfloat16")
+    return Case(model, {"input_ids": ids, "labels": ids}, None, loop, adamw=True)
 
 
 def _bart_drop_output() -> Case:
@@ -231,6 +265,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "mixtral-moe-trainer": _mixtral_moe_trainer,
     "qwen2-lora": _qwen2_lora,
     "bart-drop-output": _bart_drop_output,
+    "falcon": _falcon,
+    "gemma2-bf16": _gemma2,
     "hf-convnext-blocks": _hf_convnext_blocks,
     "hf-swin-blocks": _hf_swin_blocks,
     "densenet": _densenet,

@@ -46,7 +46,8 @@ import torch
 from remat.core.errors import RematError
 from remat.core.option import Option
 from remat.execute.boundary import boundary_output
-from remat.execute.options import forward_with_option
+from remat.execute.inplace import InputWritten, WriteProbe, selective_write_reason
+from remat.execute.options import SELECTIVE_SAVE_OPS, forward_with_option
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import clear_grads
 from remat.measurement.storage import storage_nbytes
@@ -243,8 +244,7 @@ def _metered_forward(meter: TimelineMeter, module: torch.nn.Module, option: str,
     # tensor argument for their recomputation. On a copy, a weak reference tells.
     saved, recording = _saved_storages()
     with runner.autocast(), (recording if keep and not clone else contextlib.nullcontext()):
-        out = forward_with_option(module, option, module.forward, operands.args,
-                                  operands.kwargs)
+        out = _forward_probed(module, option, operands)
         in_region = meter.live_bytes
     cache_bytes = in_region - meter.live_bytes
     meter.mark("forward")
@@ -269,6 +269,27 @@ def _metered_forward(meter: TimelineMeter, module: torch.nn.Module, option: str,
         holds_input = x_storage in saved if keep else Option(option).recomputes
     return _AfterForward(seed, root_grad, grad_bytes, held, cache_bytes, holds_input,
                          holds_output)
+
+
+def _forward_probed(module: torch.nn.Module, option: str, operands: _Operands) -> Any:
+    """The unit's forward under ``option``; under ``selective``, refused (a
+    :class:`~remat.core.errors.RematError`, which drops the option for the unit) before it
+    writes into a tensor selective keeps, as the runtime refuses it
+    (:mod:`remat.execute.inplace`): torch's backward notices only where the recomputation
+    reads the written tensor, so a replay that trains is no proof. Here, not in the timed
+    runs: the probe's dispatch would be timed."""
+    if option != Option.SELECTIVE.value:
+        return forward_with_option(module, option, module.forward, operands.args,
+                                   operands.kwargs)
+    try:
+        with WriteProbe((), saved_ops=SELECTIVE_SAVE_OPS):
+            return forward_with_option(module, option, module.forward, operands.args,
+                                       operands.kwargs)
+    except InputWritten as hit:
+        if not hit.saved:  # only the kept outputs are watched here
+            raise
+        reason = selective_write_reason(hit.label, hit.op)
+    raise RematError(reason)
 
 
 def _metered_backward(meter: TimelineMeter, module: torch.nn.Module,

@@ -33,6 +33,15 @@ from remat.core.option import Option
 from remat.core.plan import Plan, PlanTarget
 from remat.execute.boundary import boundary_input
 from remat.execute.head import HeadSite
+from remat.execute.inplace import (
+    InputWritten,
+    NestedBackward,
+    WriteProbe,
+    argument_versions,
+    selective_write_reason,
+    tensor_arguments,
+    written_arguments,
+)
 from remat.execute.options import (
     SELECTIVE_SAVE_OPS,
     forward_with_option,
@@ -53,14 +62,6 @@ from remat.runtime.guard import (
     PlanGuard,
     positional_names,
     replaced_units,
-)
-from remat.runtime.inplace import (
-    InputWritten,
-    NestedBackward,
-    WriteProbe,
-    argument_versions,
-    tensor_arguments,
-    written_arguments,
 )
 from remat.runtime.plan_head import check_head, install_plan_head, remove_plan_head
 from remat.runtime.segments import SegmentRunner, dynamo_idle, get_eval_frame_callback
@@ -225,10 +226,8 @@ class _RematState:
         if saved:
             name = self.plan.unit_names[index]
             raise PlanMismatchError(
-                f"unit {name!r} cannot run option 'selective': its forward writes in place "
-                f"({op}) into {written.rpartition(' (')[0]} (an in-place activation such as "
-                "nn.ReLU(inplace=True) after a Linear), and torch's backward would refuse "
-                "that saved tensor. Give the unit "
+                f"unit {name!r} cannot run option 'selective': "
+                f"{selective_write_reason(written.rpartition(' (')[0], op)}. Give the unit "
                 f"'checkpoint' or 'keep' in the plan (Plan.from_options(names, {{{name!r}: "
                 "'checkpoint'}})), or solve again: remat.solve() drops the options a unit "
                 "cannot run"
@@ -444,7 +443,7 @@ def apply_plan(model: ModuleT, plan: Plan, *, strict_shapes: bool = False,
     replaced after ``apply_plan`` raises ``PlanMismatchError`` at the next training
     forward (apply the plan again). A unit that writes into its own input in place
     cannot be recomputed: its first call finds out, and it runs as ``keep``, with a
-    warning (:mod:`remat.runtime.inplace`); a ``selective`` unit that writes into a
+    warning (:mod:`remat.execute.inplace`); a ``selective`` unit that writes into a
     tensor selective keeps is refused at its first call.
 
     The loop and the model are watched too: a solved plan records its loop, and

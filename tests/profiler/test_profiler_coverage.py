@@ -22,6 +22,7 @@ import remat
 from remat.core.errors import NoUnitsError, ProfileError
 from remat.core.plan import Plan
 from remat.core.profile import Profile
+from remat.execute.options import forward_with_option
 from remat.measurement.runner import call_model, compute_loss
 from remat.profiler import check_chain, find_units, profile
 from remat.runtime import apply_plan
@@ -215,7 +216,44 @@ def test_selective_on_in_place_ops_is_dropped_with_a_log_line(
     assert p.meta["dropped_options"] == {n: ["selective"] for n in units}
     lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(lines) == 2 and "'features.4.0'" in lines[0] and "'selective'" in lines[0]
-    assert "has been mutated" in lines[0]
+    assert "writes in place (aten.relu_" in lines[0] and "aten.convolution" in lines[0]
+
+
+class _AddsIntoItsOutput(nn.Module):
+    """Falcon's parallel block: ``out += attention`` into a Linear's output. Nothing in
+    backward reads that output, so torch's selective checkpoint stops its recomputation
+    before it and trains without a word: only the probe says that selective keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.up = nn.Linear(8, 8), nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attention = self.attn(x)
+        out = self.down(torch.tanh(self.up(x)))
+        out += attention
+        return out + x
+
+
+def test_selective_writing_into_a_kept_output_torch_does_not_notice_is_dropped(
+        caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_AddsIntoItsOutput(), _AddsIntoItsOutput(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    # torch alone accepts it: the replay trains.
+    y = forward_with_option(model[0], "selective", model[0].forward, (x,), {})
+    y.sum().backward()
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        p = profile(model, x, loss_fn=lambda o, b: o.square().mean(), units=["0", "1"],
+                    **FAST)
+    assert p.meta["dropped_options"] == {"0": ["selective"], "1": ["selective"]}
+    assert "writes in place (aten.add_" in caplog.text and "aten.mm" in caplog.text
+    # So no plan takes it, and the runtime, which refuses it, never meets it.
+    plan = remat.solve(model, x, min_peak_bytes(p), loss_fn=lambda o, b: o.square().mean(),
+                       units=["0", "1"])
+    assert "selective" not in plan.options
 
 
 class _MutatesInput(nn.Module):

@@ -129,3 +129,33 @@ def test_a_region_that_draws_nothing_runs_its_recomputation_without_the_replay_m
     replay = DrawReplay(draws, lambda: False)
     with replay:
         assert not torch._C._len_torch_dispatch_stack()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_mask_replays_bitwise_in_every_floating_dtype_and_layout(dtype: torch.dtype) -> None:
+    # The mask is cast from the draw (a copy into a new bool tensor) and copied back from its
+    # bytes: exact for any 0/1 draw, whatever the dtype and the strides of the target.
+    draws = Draws()
+    with _recording(draws):
+        torch.manual_seed(5)
+        drawn = torch.empty(6, 4, dtype=dtype).t().bernoulli_(0.5)  # not contiguous
+        out_of_place = torch.bernoulli(torch.full((5,), 0.5, dtype=dtype))
+    with DrawReplay(draws, lambda: False):
+        again = torch.empty(6, 4, dtype=dtype).t().bernoulli_(0.5)
+        again_out = torch.bernoulli(torch.full((5,), 0.5, dtype=dtype))
+    assert torch.equal(again, drawn) and again.stride() == drawn.stride()
+    assert torch.equal(again_out, out_of_place) and again_out.dtype == dtype
+    assert {v.item() for v in drawn.flatten()} == {0.0, 1.0}  # both values were replayed
+
+
+def test_the_kept_mask_is_counted_by_a_meter_below_the_policy() -> None:
+    # A meter under the selective region sees the bool copy allocated (one byte an element):
+    # the profiler's figure for ``selective`` includes the masks it keeps.
+    from remat.measurement.meter import MemoryMeter
+
+    draws = Draws()
+    drawn = torch.empty(1000)
+    with MemoryMeter() as meter, _recording(draws):
+        drawn.bernoulli_(0.5)
+    assert draws.masks[0] is not None and draws.masks[0].dtype == torch.bool
+    assert meter.live_bytes == 1000

@@ -16,7 +16,17 @@ Two ways to tell, one for each side of remat:
 * :class:`WriteProbe`: a dispatch mode that raises :class:`InputWritten` *before* an
   op writes into the storage of a watched tensor. The runtime runs a unit's first
   recomputed call under it, so the write never happens inside a checkpoint region:
-  the region is abandoned and the call runs plainly instead (:mod:`.apply`).
+  the region is abandoned and the call runs plainly instead (:mod:`remat.runtime.apply`).
+
+A forward that writes into a tensor ``selective`` keeps (an ``nn.ReLU(inplace=True)``
+after a Linear, Falcon's ``mlp_output += attention_output``) is one ``selective``
+cannot run, whether or not torch notices: it notices only where the recomputation
+reads the written tensor, and stops it early where nothing after the write is needed
+(Falcon's case). Both sides refuse it with :func:`selective_write_reason`, by the
+probe: the profiler's metered ``selective`` replay runs under it (the option is
+dropped for the unit, so no plan takes it) and so does the runtime's first call (a
+hand-made plan that forces it gets a ``PlanMismatchError``). Used by
+:mod:`remat.runtime.apply` and :mod:`remat.profiler.replay`.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ __all__ = [
     "WriteProbe",
     "argument_versions",
     "tensor_arguments",
+    "selective_write_reason",
     "written_arguments",
 ]
 
@@ -79,6 +90,14 @@ class InputWritten(Exception):  # noqa: N818 - control flow between the probe an
         self.label = label
         self.op = op
         self.saved = saved
+
+
+def selective_write_reason(written: str, op: str) -> str:
+    """Why ``selective`` cannot run a unit whose forward wrote (``op``) into ``written``,
+    a tensor it keeps for backward (:attr:`InputWritten.label` of a ``saved`` hit)."""
+    return (f"its forward writes in place ({op}) into {written}: the recomputation would "
+            "start from the written value (an in-place activation such as "
+            "nn.ReLU(inplace=True) after a Linear, or `out += x` on a Linear's output)")
 
 
 class NestedBackward(Exception):  # noqa: N818 - control flow between the probe and its caller
