@@ -352,3 +352,35 @@ def test_hugging_face_layers_are_the_blocks_and_what_they_hold_is_not() -> None:
     assert block_names(Model()) == ["layers.0", "layers.1", "layers.2"]
     choice = find_units(Model(), torch.randn(2, 8), loss_fn=lambda o, b: o.sum())
     assert choice.names == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_falcon_plans_without_selective_and_trains_on_its_loss_bitwise() -> None:
+    # The model the bug was found on (transformers' Falcon, parallel attention): its
+    # blocks write `mlp_output += attention_output`. Planned at its smallest peak, the
+    # plan runs (the runtime refused the selective plan before) and gives the loss and
+    # gradients of the model as written.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=256,
+        parallel_attn=True, new_decoder_architecture=False, use_cache=False)
+    base = transformers.FalconForCausalLM(config).train()
+    ids = torch.randint(0, 256, (2, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    planned = copy.deepcopy(base)
+    loop = remat.Loop(keep_output=False)
+    p = profile(planned, batch, loop=loop, head="none", **FAST)
+    blocks = [u for u in p.units if u.name.startswith("transformer.h.")]
+    assert len(blocks) == 3 and all("selective" not in u.options for u in blocks)
+    assert set(p.meta["dropped_options"]) == {u.name for u in blocks}
+    plan = remat.solve(p, min_peak_bytes(p))
+    assert plan.options != ("keep",) * plan.n
+    apply_plan(planned, plan)
+    grads = []
+    for model in (base, planned):
+        torch.manual_seed(1)
+        loss = model(**batch).loss
+        loss.backward()
+        grads.append((loss.detach(), [q.grad for q in model.parameters()]))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))
