@@ -24,6 +24,13 @@ verification), on models that appear nowhere else in the repository:
 - ``gemma2-bf16``: ``transformers`` Gemma 2 (sliding-window and global layers, logits
   soft-capped before the loss, so the head is no plain linear and cross entropy) under
   bf16 autocast, AdamW, output dropped;
+- ``olmoe-moe``: ``transformers`` OLMoE, a mixture of experts with its router's loss;
+- ``whisper``: ``transformers`` Whisper, a speech encoder-decoder (a convolution
+  front end on log-mel features, the decoder's blocks taking the encoder's output);
+- ``mamba``: ``transformers`` Mamba, a state-space model (no attention; the reference
+  PyTorch scan, as without ``mamba_ssm``);
+- ``deberta-v2-cls``: ``transformers`` DeBERTa-v2 (disentangled relative attention, the
+  relative embeddings handed to every block) classifying sequences;
 - ``hf-convnext-blocks``: ``transformers`` ConvNeXt-T image classifier with its 18 blocks
   as the units (``units=ConvNextLayer``): the downsampling layers between its stages are
   no units, so the units are not a chain;
@@ -153,6 +160,59 @@ def _gemma2() -> Case:
     return Case(model, {"input_ids": ids, "labels": ids}, None, loop, adamw=True)
 
 
+def _olmoe() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.OlmoeConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_experts=8, num_experts_per_tok=2, output_router_logits=True, vocab_size=4096,
+        max_position_embeddings=256, use_cache=False)
+    model = transformers.OlmoeForCausalLM(config).train()
+    ids = torch.randint(0, 4096, (4, 128))
+    return Case(model, {"input_ids": ids, "labels": ids}, None, remat.Loop(keep_output=False),
+                adamw=True)
+
+
+def _whisper() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        d_model=128, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, vocab_size=2048,
+        num_mel_bins=80, max_source_positions=750, max_target_positions=128, use_cache=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    model = transformers.WhisperForConditionalGeneration(config).train()
+    features = torch.randn(2, 80, 1500)
+    labels = torch.randint(3, 2048, (2, 64))
+    return Case(model, {"input_features": features, "labels": labels}, None, remat.Loop())
+
+
+def _mamba() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(hidden_size=128, num_hidden_layers=4, vocab_size=4096,
+                                      state_size=8, use_cache=False)
+    model = transformers.MambaForCausalLM(config).train()
+    ids = torch.randint(0, 4096, (2, 64))
+    return Case(model, {"input_ids": ids, "labels": ids}, None, remat.Loop(keep_output=False))
+
+
+def _deberta() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=4096, relative_attention=True, pos_att_type=["p2c", "c2p"], num_labels=3)
+    model = transformers.DebertaV2ForSequenceClassification(config).train()
+    ids = torch.randint(0, 4096, (4, 128))
+    return Case(model, {"input_ids": ids, "labels": torch.randint(0, 3, (4,))}, None,
+                remat.Loop())
+
+
 def _bart_drop_output() -> Case:
     case = _bart()
     case.loop = remat.Loop(keep_output=False)
@@ -267,6 +327,10 @@ CASES: dict[str, Callable[[], Case]] = {
     "bart-drop-output": _bart_drop_output,
     "falcon": _falcon,
     "gemma2-bf16": _gemma2,
+    "olmoe-moe": _olmoe,
+    "whisper": _whisper,
+    "mamba": _mamba,
+    "deberta-v2-cls": _deberta,
     "hf-convnext-blocks": _hf_convnext_blocks,
     "hf-swin-blocks": _hf_swin_blocks,
     "densenet": _densenet,

@@ -43,8 +43,8 @@ __all__ = [
     "NestedBackward",
     "WriteProbe",
     "argument_versions",
-    "tensor_arguments",
     "selective_write_reason",
+    "tensor_arguments",
     "written_arguments",
 ]
 
