@@ -357,8 +357,10 @@ class OptionFailure:
     @classmethod
     def of(cls, option: str, err: BaseException) -> OptionFailure:
         text = " ".join(str(err).split())
-        if len(text) > 200:
-            text = text[:197] + "..."
+        # One log line: long enough for remat's own reasons (the in-place write's,
+        # about 300 characters with the op named), short of a torch traceback's text.
+        if len(text) > 320:
+            text = text[:317] + "..."
         return cls(option, f"{type(err).__name__}: {text}")
 
 
