@@ -133,6 +133,38 @@ def test_below_what_the_head_as_it_is_reaches_the_trainer_trains_with_a_chunked_
     assert autocast_in_training and all(on == bf16 for on in autocast_in_training)
 
 
+def _falcon() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB,
+        parallel_attn=True, new_decoder_architecture=False, use_cache=False))
+
+
+def test_a_model_remat_was_not_written_for_trains_in_bf16_on_the_losses_of_the_unplanned_run(
+        tmp_path: Path) -> None:
+    # transformers' Falcon (parallel attention: its blocks add into a Linear's output in
+    # place, which selective cannot run) in the Trainer with bf16 and 2 micro-batches:
+    # the planned run logs the unplanned run's losses, bitwise, step by step.
+    losses = []
+    reports = []
+    for callbacks in ([], [RematCallback(memory_budget="50%")]):
+        trainer = Trainer(model=_falcon(), callbacks=callbacks, train_dataset=Tokens(),
+                          args=_args(tmp_path, bf16=True, gradient_accumulation_steps=2))
+        trainer.train()
+        losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
+        reports.extend(c.report for c in callbacks)
+    report = reports[0]
+    assert report is not None and "checkpoint" in report.plan.options
+    blocks = [o for n, o in zip(report.plan.unit_names, report.plan.options)
+              if n.startswith("transformer.h.")]
+    assert len(blocks) == 3 and "selective" not in blocks
+    assert len(losses[0]) == 3 and losses[1] == losses[0]
+    step = report.trainer_step
+    assert step is not None and step.peak_bytes <= report.budget_bytes
+
+
 class _OwnLoss(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
