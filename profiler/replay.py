@@ -282,14 +282,14 @@ def _forward_probed(module: torch.nn.Module, option: str, operands: _Operands) -
         return forward_with_option(module, option, module.forward, operands.args,
                                    operands.kwargs)
     try:
+        # No argument watched: only what selective keeps (an argument written in place
+        # is found by the capture pass, which replays such a unit on a copy).
         with WriteProbe((), saved_ops=SELECTIVE_SAVE_OPS):
             return forward_with_option(module, option, module.forward, operands.args,
                                        operands.kwargs)
     except InputWritten as hit:
-        if not hit.saved:  # only the kept outputs are watched here
-            raise
         reason = selective_write_reason(hit.label, hit.op)
-    raise RematError(reason)
+    raise RematError(reason)  # outside the except: no chained probe exception
 
 
 def _metered_backward(meter: TimelineMeter, module: torch.nn.Module,
