@@ -104,18 +104,52 @@ def _hf_vit() -> Case:
                 adamw=True)
 
 
-def _mixtral_moe_trainer() -> Case:
+def _causal_lm(architecture: str, *, loop: remat.Loop | None = None, adamw: bool = True,
+               batch: tuple[int, int] = (4, 128), **config: object) -> Case:
+    """``transformers``' ``<architecture>ForCausalLM`` from a small config, random weights
+    (seed 0), a batch of random token ids as their own labels; the loop drops the output
+    unless ``loop`` says otherwise."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=8192, num_local_experts=4, num_experts_per_tok=2,
-        output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
-    model = transformers.MixtralForCausalLM(config).train()
-    ids = torch.randint(0, 8192, (4, 128))
-    return Case(model, {"input_ids": ids, "labels": ids}, None, remat.Loop(keep_output=False),
-                adamw=True)
+    made = getattr(transformers, f"{architecture}Config")(use_cache=False, **config)
+    model = getattr(transformers, f"{architecture}ForCausalLM")(made).train()
+    ids = torch.randint(0, made.vocab_size, batch)
+    return Case(model, {"input_ids": ids, "labels": ids}, None,
+                loop or remat.Loop(keep_output=False), adamw=adamw)
+
+
+def _mixtral_moe_trainer() -> Case:
+    return _causal_lm(
+        "Mixtral", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=8192, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
+
+
+def _falcon() -> Case:
+    return _causal_lm(
+        "Falcon", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=4096, new_decoder_architecture=False, parallel_attn=True, alibi=True)
+
+
+def _gemma2() -> Case:
+    return _causal_lm(
+        "Gemma2", loop=remat.Loop(keep_output=False, autocast="bfloat16"), hidden_size=256,
+        intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=64, vocab_size=4096,
+        max_position_embeddings=256)
+
+
+def _olmoe() -> Case:
+    return _causal_lm(
+        "Olmoe", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_experts=8, num_experts_per_tok=2,
+        output_router_logits=True, vocab_size=4096, max_position_embeddings=256)
+
+
+def _mamba() -> Case:
+    return _causal_lm("Mamba", adamw=False, batch=(2, 64), hidden_size=128,
+                      num_hidden_layers=4, vocab_size=4096, state_size=8)
 
 
 def _qwen2_lora() -> Case:
@@ -133,47 +167,6 @@ def _qwen2_lora() -> Case:
                 remat.Loop(keep_output=False), adamw=True)
 
 
-def _falcon() -> Case:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.FalconConfig(
-        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, vocab_size=4096,
-        new_decoder_architecture=False, parallel_attn=True, alibi=True, use_cache=False)
-    model = transformers.FalconForCausalLM(config).train()
-    ids = torch.randint(0, 4096, (4, 128))
-    return Case(model, {"input_ids": ids, "labels": ids}, None, remat.Loop(keep_output=False),
-                adamw=True)
-
-
-def _gemma2() -> Case:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Gemma2Config(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, sliding_window=64, vocab_size=4096,
-        max_position_embeddings=256, use_cache=False)
-    model = transformers.Gemma2ForCausalLM(config).train()
-    ids = torch.randint(0, 4096, (4, 128))
-    loop = remat.Loop(keep_output=False, autocast="bfloat16")
-    return Case(model, {"input_ids": ids, "labels": ids}, None, loop, adamw=True)
-
-
-def _olmoe() -> Case:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.OlmoeConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_experts=8, num_experts_per_tok=2, output_router_logits=True, vocab_size=4096,
-        max_position_embeddings=256, use_cache=False)
-    model = transformers.OlmoeForCausalLM(config).train()
-    ids = torch.randint(0, 4096, (4, 128))
-    return Case(model, {"input_ids": ids, "labels": ids}, None, remat.Loop(keep_output=False),
-                adamw=True)
-
-
 def _whisper() -> Case:
     import transformers
 
@@ -187,17 +180,6 @@ def _whisper() -> Case:
     features = torch.randn(2, 80, 1500)
     labels = torch.randint(3, 2048, (2, 64))
     return Case(model, {"input_features": features, "labels": labels}, None, remat.Loop())
-
-
-def _mamba() -> Case:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.MambaConfig(hidden_size=128, num_hidden_layers=4, vocab_size=4096,
-                                      state_size=8, use_cache=False)
-    model = transformers.MambaForCausalLM(config).train()
-    ids = torch.randint(0, 4096, (2, 64))
-    return Case(model, {"input_ids": ids, "labels": ids}, None, remat.Loop(keep_output=False))
 
 
 def _deberta() -> Case:
