@@ -182,11 +182,12 @@ def backward_ops(models: Sequence[nn.Module], batch: dict[str, torch.Tensor],
             for s in samples]
 
 
-def one_setting(tokens: int, dropout: bool, rounds: int) -> dict[str, Any]:
+def one_setting(tokens: int, dropout: bool, rounds: int, option: str = "selective"
+                ) -> dict[str, Any]:
     base, batch = gpt2(tokens, dropout)
     prof = remat.profile(base, batch, head="none")
     names = [u.name for u in prof.units]
-    plan = remat.Plan.from_options(names, dict.fromkeys(names, "selective"))
+    plan = remat.Plan.from_options(names, dict.fromkeys(names, option))
     predicted = remat.simulate(prof, plan)
     planned = remat.apply_plan(copy.deepcopy(base), plan)
     for model in (base, planned):
@@ -206,9 +207,10 @@ def one_setting(tokens: int, dropout: bool, rounds: int) -> dict[str, Any]:
         grouped[group] += ms
     unit = prof.units[len(prof.units) // 2]
     block = {"fwd_ms": unit.fwd_ms,
-             **{f"{o}_extra_ms": unit.options[o].extra_ms for o in ("selective", "checkpoint")},
+             **{f"{o}_extra_ms": unit.options[o].extra_ms
+                for o in ("selective", "derive", "checkpoint")},
              **{f"{o}_held_mib": unit.options[o].held_bytes / 2**20
-                for o in ("keep", "selective", "checkpoint")}}
+                for o in ("keep", "selective", "derive", "checkpoint")}}
     plain_ms = statistics.median(plain_t) * 1e3
     return {
         "dropout": dropout, "plan": plan.summary(), "plain_ms": plain_ms,
@@ -249,20 +251,22 @@ def half_report(halves: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
 def report(results: Sequence[dict[str, Any]], halves: Sequence[tuple[str, dict[str, Any]]],
            command: str, started: dt.datetime, seconds: float) -> str:
     lines = [
-        "# GPT-2 124M at `\"50%\"`: the plan's step, and where `selective`'s time goes",
+        "# GPT-2 124M at `\"50%\"`: the plan's step, and where `selective`'s and `derive`'s "
+        "time goes",
         "",
         f"Run {started:%Y-%m-%d %H:%M} UTC on {machine_line(threads=1)}, pinned to one core; "
         f"{seconds / 60:.1f} min. Command: `{command}`.",
         "",
         *half_report(halves),
-        "## Every block `selective`: where the time goes",
+        "## Every block `selective`, or every block `derive`: where the time goes",
         "",
-        "Measured with glibc keeping its memory. The plan: `selective` on every block, the "
+        "Measured with glibc keeping its memory. The plan: one option on every block, the "
         "head as written. Ratio: "
         "planned / unplanned step per ABAB round (median, spread). Recomputed: the planned "
         "backward's self CPU time minus the unplanned one's, per op group (`torch.profiler`); "
         "its sum over the unplanned step is the floor of any plan that frees these "
-        "activations by recomputing them.",
+        "activations by recomputing them (for `derive`, what its backward remakes; its "
+        "forward's dispatch mode is in the ratio, not in the floor).",
         "",
     ]
     rows = []
@@ -282,17 +286,19 @@ def report(results: Sequence[dict[str, Any]], halves: Sequence[tuple[str, dict[s
         rows)
     lines += ["", "Per block (the middle one), as profiled:", ""]
     block_rows = []
-    for r in results:
+    for r in {r["dropout"]: r for r in reversed(results)}.values():  # one per setting
         b = r["block"]
         block_rows.append([
             "0.1" if r["dropout"] else "0", f"{b['fwd_ms']:.0f}",
-            f"{b['selective_extra_ms']:.0f}", f"{b['checkpoint_extra_ms']:.0f}",
+            f"{b['selective_extra_ms']:.0f}", f"{b['derive_extra_ms']:.0f}",
+            f"{b['checkpoint_extra_ms']:.0f}",
             f"{b['keep_held_mib']:.1f}", f"{b['selective_held_mib']:.1f}",
-            f"{b['checkpoint_held_mib']:.2f}",
+            f"{b['derive_held_mib']:.1f}", f"{b['checkpoint_held_mib']:.2f}",
         ])
     lines += markdown_table(
-        ["dropout", "forward ms", "selective adds ms", "checkpoint adds ms", "keep holds MiB",
-         "selective holds MiB", "checkpoint holds MiB"], block_rows)
+        ["dropout", "forward ms", "selective adds ms", "derive adds ms", "checkpoint adds ms",
+         "keep holds MiB", "selective holds MiB", "derive holds MiB", "checkpoint holds MiB"],
+        block_rows)
     lines.append("")
     return "\n".join(lines)
 
@@ -314,8 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         print(json.dumps({
             "half": half_budget(args.tokens, args.half_rounds),
-            "breakdown": [one_setting(args.tokens, dropout, args.rounds)
-                          for dropout in (True, False)],
+            "breakdown": [one_setting(args.tokens, dropout, args.rounds, option)
+                          for dropout, option in ((True, "selective"), (False, "selective"),
+                                                  (True, "derive"))],
         }))
         return 0
     started, t0 = dt.datetime.now(dt.UTC), time.perf_counter()

@@ -114,7 +114,7 @@ __all__ = ["check_chain", "default_options", "profile", "profile_levels"]
 log = logging.getLogger("remat")
 
 def default_options(device: torch.device) -> tuple[str, ...]:
-    """keep, checkpoint, selective; plus offload on CUDA."""
+    """keep, checkpoint, selective, derive; plus offload on CUDA."""
     return tuple(o.value for o in Option if o.unavailable_on(device.type) is None)
 
 
@@ -167,7 +167,7 @@ def profile(
             them.
         optimizer: include ``optimizer.step()``: its state bytes and step peak are measured.
         options: options to measure (``keep`` is always included); default keep, checkpoint,
-            selective, and offload on CUDA.
+            selective, derive, and offload on CUDA.
         warmup, repeats: un-timed and timed runs for every time figure (medians); the metered
             run counts as the first warm-up run.
         tolerance: stop a time figure's timed runs early once the runs taken pin the median of

@@ -194,6 +194,8 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
     nothing), the backward outside it, as in a training loop; what only the autocast
     region kept alive (its cache of weight casts) is ``forward_cache_bytes``.
     """
+    # offload's own saved-tensor hooks take the place of the recording one: whether it
+    # holds the input only a weak reference can tell, on a copy. derive tells itself.
     clone = call.writes_input or option == Option.OFFLOAD.value
     return _cloning_where_refused(
         call, runner, clone, lambda c: _measure_option(call, option, runner, clone=c))
@@ -240,11 +242,13 @@ def _metered_forward(meter: TimelineMeter, module: torch.nn.Module, option: str,
     kept of them."""
     keep = option == Option.KEEP.value
     # On the live input's storage, whether the unit holds it is what it saved: keep
-    # saves what autograd saves (recorded here); checkpoint and selective hold every
-    # tensor argument for their recomputation. On a copy, a weak reference tells.
+    # saves what autograd saves (recorded here), derive holds every saved tensor that
+    # no op inside the unit made (an input is one: derive records its own), checkpoint
+    # and selective hold every tensor argument for their recomputation. On a copy, a
+    # weak reference tells.
     saved, recording = _saved_storages()
     with runner.autocast(), (recording if keep and not clone else contextlib.nullcontext()):
-        out = _forward_probed(module, option, operands)
+        out = _forward_probed(module, option, operands, saved)
         in_region = meter.live_bytes
     cache_bytes = in_region - meter.live_bytes
     meter.mark("forward")
@@ -266,18 +270,23 @@ def _metered_forward(meter: TimelineMeter, module: torch.nn.Module, option: str,
     if clone or x_storage is None:
         holds_input = _alive(x_ref)
     else:
-        holds_input = x_storage in saved if keep else Option(option).recomputes
+        holds_input = (x_storage in saved if option in (Option.KEEP.value, Option.DERIVE.value)
+                       else Option(option).recomputes)
     return _AfterForward(seed, root_grad, grad_bytes, held, cache_bytes, holds_input,
                          holds_output)
 
 
-def _forward_probed(module: torch.nn.Module, option: str, operands: _Operands) -> Any:
+def _forward_probed(module: torch.nn.Module, option: str, operands: _Operands,
+                    saved: set[int]) -> Any:
     """The unit's forward under ``option``; under ``selective``, refused (a
     :class:`~remat.core.errors.RematError`, which drops the option for the unit) before it
     writes into a tensor selective keeps, as the runtime refuses it
     (:mod:`remat.execute.inplace`): torch's backward notices only where the recomputation
     reads the written tensor, so a replay that trains is no proof. Here, not in the timed
     runs: the probe's dispatch would be timed."""
+    if option == Option.DERIVE.value:
+        return forward_with_option(module, option, module.forward, operands.args,
+                                   operands.kwargs, saved=saved)
     if option != Option.SELECTIVE.value:
         return forward_with_option(module, option, module.forward, operands.args,
                                    operands.kwargs)
@@ -448,7 +457,10 @@ def time_unit(
             break
         for option in options:
             try:
-                f_ms, b_ms = _timed_replay(call, option, runner, watch)
+                # derive's first run checks its recipes (:mod:`remat.execute.derive`): a
+                # cold round, the sample a median of three discards.
+                f_ms, b_ms = _timed_replay(call, option, runner, watch,
+                                           verify=round_ == 0 and option == Option.DERIVE.value)
             except Exception as err:
                 clear_grads(params)
                 raise OptionRunFailed(option, err) from err
@@ -470,15 +482,15 @@ class OptionRunFailed(Exception):
 
 
 def _timed_replay(call: UnitCall, option: str, runner: StepRunner,
-                  watch: Stopwatch) -> tuple[float, float]:
+                  watch: Stopwatch, *, verify: bool = False) -> tuple[float, float]:
     """One timed replay of ``call`` under ``option``: its forward and backward times."""
     return _cloning_where_refused(
         call, runner, call.writes_input,
-        lambda clone: _timed_run(call, option, runner, watch, clone=clone))
+        lambda clone: _timed_run(call, option, runner, watch, clone=clone, verify=verify))
 
 
 def _timed_run(call: UnitCall, option: str, runner: StepRunner, watch: Stopwatch, *,
-               clone: bool) -> tuple[float, float]:
+               clone: bool, verify: bool = False) -> tuple[float, float]:
     module, autocast = call.module, runner.autocast
     operands, leaf = _operands(call, runner, clone=clone)
     operands.first = None  # the arguments hold it
@@ -486,7 +498,7 @@ def _timed_run(call: UnitCall, option: str, runner: StepRunner, watch: Stopwatch
     def forward() -> Any:
         with autocast():
             return forward_with_option(module, option, module.forward, operands.args,
-                                       operands.kwargs)
+                                       operands.kwargs, **({"verify": True} if verify else {}))
 
     out, f_ms = watch.time(forward)
     operands.drop()

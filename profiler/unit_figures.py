@@ -35,6 +35,7 @@ import torch
 
 from remat.core.errors import DeviceMemoryError, ProfileError
 from remat.core.option import Option
+from remat.execute.derive import DeriveMismatch
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import clear_grads
 from remat.measurement.timing import Stopwatch
@@ -159,9 +160,15 @@ class UnitMeasurer:
             if failed.option == Option.KEEP.value or not isinstance(failed.error,
                                                                      OPTION_ERRORS):
                 raise failed.error from None
-            figures = self._meter(call)
-            return self._time(call, [o for o in options if o in figures]), figures
-        return timing, self._meter(call)
+            dropped = failed.option if isinstance(failed.error, DeriveMismatch) else None
+            if dropped is not None:  # a check that only the timed run makes
+                self._drop(call, dropped, failed.error)
+        else:
+            return timing, self._meter(call)
+        # Metered outside the handler: the failed run's frames (its tensors: an option
+        # that ran out of memory held its forward's) are let go of first.
+        figures = self._meter(call, [o for o in self.options if o != dropped])
+        return self._time(call, [o for o in options if o in figures]), figures
 
     def _meter(self, call: UnitCall, options: list[str] | None = None
                ) -> dict[str, OptionFigures]:
@@ -175,12 +182,16 @@ class UnitMeasurer:
             try:
                 figures[option] = measure_option(call, option, self.runner)
             except OPTION_ERRORS as err:  # an out-of-memory error is a RuntimeError too
-                clear_grads(self.runner.params)
-                failure = OptionFailure.of(option, err)
-                log.warning("unit %r: option %r dropped, it cannot run on this unit: %s",
-                            call.name, option, failure.reason)
-                self.failures.append((call.name, failure))
+                self._drop(call, option, err)
         return figures
+
+    def _drop(self, call: UnitCall, option: str, err: BaseException) -> None:
+        """``option`` cannot run on ``call``'s unit: one log line and a failure recorded."""
+        clear_grads(self.runner.params)
+        failure = OptionFailure.of(option, err)
+        log.warning("unit %r: option %r dropped, it cannot run on this unit: %s",
+                    call.name, option, failure.reason)
+        self.failures.append((call.name, failure))
 
     def _keep_or_fail(self, call: UnitCall, replay: Callable[[], object]) -> object:
         """``replay()`` of the unit under keep; the device running out of memory for it

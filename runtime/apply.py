@@ -156,7 +156,9 @@ class _RematState:
                 return output
             if runner.is_open:  # anything that does not continue a segment ends it
                 _eager_segment_close(runner)
-        if not active or compiling or option == Option.OFFLOAD.value:
+        # offload and derive recompute nothing of the forward: a write into an argument
+        # is autograd's to check, as without a plan.
+        if not active or compiling or option in (Option.OFFLOAD.value, Option.DERIVE.value):
             return forward_with_option(module, option, self.original_forward(index), args, kwargs)
         writes = self.writes_input[index]
         if writes:

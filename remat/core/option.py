@@ -21,6 +21,7 @@ class Option(str, Enum):
     KEEP = "keep"  # hold what autograd saves (no checkpointing)
     CHECKPOINT = "checkpoint"  # hold only the input; recompute the forward in backward
     SELECTIVE = "selective"  # hold matmul/conv/attention outputs; recompute the rest
+    DERIVE = "derive"  # hold what autograd saves, less what cheap ops make again from it
     OFFLOAD = "offload"  # saved tensors to pinned CPU memory (CUDA only)
 
     def __str__(self) -> str:
@@ -45,8 +46,8 @@ class Option(str, Enum):
         if self.needs_cuda and device_type != "cuda":
             return (
                 f"option {self.value!r} needs CUDA (it moves saved tensors from a CUDA device "
-                f"to pinned CPU memory), so it cannot run on {device_type!r}; use 'checkpoint' "
-                "or 'selective' there"
+                f"to pinned CPU memory), so it cannot run on {device_type!r}; use 'checkpoint', "
+                "'selective' or 'derive' there"
             )
         return None
 

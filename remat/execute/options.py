@@ -1,4 +1,4 @@
-"""Run one module's forward under one option: keep, checkpoint, selective or offload.
+"""Run one module's forward under one option: keep, checkpoint, selective, derive or offload.
 
 This is the single place where an option becomes torch machinery. The runtime
 calls it from the wrapped forwards of a planned model, and the profiler calls it
@@ -25,6 +25,7 @@ from torch.utils.checkpoint import (
 from remat.core.errors import RematError
 from remat.core.option import Option
 from remat.execute.arguments import CallArguments
+from remat.execute.derive import forward_deriving
 from remat.execute.kv_cache import drop_kv_cache
 from remat.execute.random_draws import DrawReplay, Draws, recording_policy
 
@@ -374,13 +375,20 @@ def forward_with_option(
     forward: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    verify: bool = False,
+    saved: set[int] | None = None,
 ) -> Any:
     """Call ``forward(*args, **kwargs)`` (the module's own forward) under ``option``.
 
     ``checkpoint`` and ``selective`` use non-reentrant ``torch.utils.checkpoint``,
     which preserves the RNG state (dropout draws the same masks in recomputation)
     and accepts keyword arguments, inputs without ``requires_grad`` and any output
-    structure. ``offload`` moves saved tensors to pinned CPU memory (CUDA only).
+    structure. ``derive`` lets go of saved tensors that cheap ops make again from
+    other saved ones (:mod:`remat.execute.derive`; ``verify``: each recipe checked
+    against the tensor it replaces, as the profiler does; ``saved``: the storages autograd
+    saved, for the profiler). ``offload`` moves saved
+    tensors to pinned CPU memory (CUDA only).
     """
     if not option_is_active(module, option):
         return forward(*args, **kwargs)
@@ -393,6 +401,8 @@ def forward_with_option(
               else _Recomputable(forward, args, kwargs))
         with autocast_without_cache():
             return checkpoint(fn, *args, use_reentrant=False, **extra)
+    if option == Option.DERIVE.value:
+        return forward_deriving(module, forward, args, kwargs, verify=verify, saved=saved)
     if option == Option.OFFLOAD.value:
         reason = Option.OFFLOAD.unavailable_on("cuda" if torch.cuda.is_available() else "cpu")
         if reason is not None:

@@ -211,8 +211,8 @@ def test_selective_on_in_place_ops_is_dropped_with_a_log_line(
     units = ["features.4.0", "features.4.1"]
     with caplog.at_level(logging.WARNING, logger="remat"):
         p = profile(z.model, z.batch, loss_fn=z.loss_fn, units=units, **FAST)
-    for u in p.units:
-        assert set(u.options) == {"keep", "checkpoint"}
+    for u in p.units:  # derive recomputes no forward: the writes are autograd's to check
+        assert set(u.options) == {"keep", "checkpoint", "derive"}
     assert p.meta["dropped_options"] == {n: ["selective"] for n in units}
     lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(lines) == 2 and "'features.4.0'" in lines[0] and "'selective'" in lines[0]
@@ -285,8 +285,12 @@ class _Mutating(nn.Module):
 def test_every_option_failing_everywhere_is_a_remat_error() -> None:
     with pytest.raises(ProfileError, match="every option but keep failed on every unit") as info:
         profile(_Mutating(), torch.randn(4, 8), loss_fn=lambda o, b: o.sum(),
-                units=["blocks.0", "blocks.1"], **FAST)
+                units=["blocks.0", "blocks.1"], options=["checkpoint", "selective"], **FAST)
     assert "checkpoint: RuntimeError" in str(info.value)
+    # derive recomputes no forward, so a unit that writes its input runs it
+    p = profile(_Mutating(), torch.randn(4, 8), loss_fn=lambda o, b: o.sum(),
+                units=["blocks.0", "blocks.1"], **FAST)
+    assert all(set(u.options) == {"keep", "derive"} for u in p.units)
     # keep alone is not a failure
     p = profile(_Mutating(), torch.randn(4, 8), loss_fn=lambda o, b: o.sum(),
                 units=["blocks.0", "blocks.1"], options=["keep"], **FAST)

@@ -45,7 +45,7 @@ def test_profile_fields(gpt_profile: Profile) -> None:
     p = gpt_profile
     assert p.device == "cpu" and p.dtype == "float32"
     assert p.input_shapes == {"idx": (2, 16), "targets": (2, 16)}
-    assert p.available_options() == ("keep", "checkpoint", "selective")
+    assert p.available_options() == ("keep", "checkpoint", "selective", "derive")
     assert p.step_ms > 0 and all(u.fwd_ms > 0 and u.bwd_ms > 0 for u in p.units)
     assert all(c.extra_ms >= 0 for u in p.units for c in u.options.values())
     assert p.meta["torch"] == torch.__version__ and p.meta["meter"] == "dispatch"

@@ -19,7 +19,7 @@ from remat.core.plan import Plan
 from remat.core.profile import OptionCost, OutsideCost, Profile, SharedTensor, UnitProfile
 from remat.solver.simulate import simulate
 
-KEEP, CKPT, SEL, OFF = (o.value for o in Option)
+KEEP, CKPT, SEL, DER, OFF = (o.value for o in Option)
 
 
 def cost(
@@ -164,7 +164,7 @@ def profiles(
     for i in range(n):
         # Fewer options per unit on long profiles keeps the brute force affordable.
         most = 3 if n <= 5 else 2
-        extra = draw(st.lists(st.sampled_from([CKPT, SEL, OFF]), unique=True, max_size=most))
+        extra = draw(st.lists(st.sampled_from([CKPT, SEL, DER, OFF]), unique=True, max_size=most))
         options = {name: draw(option_costs(name)) for name in [KEEP, *extra]}
         units.append(
             UnitProfile(
