@@ -528,7 +528,8 @@ def _assembled(run: _Profiling, measured: Measurements, runs: list[OutsideRun],
               "repeats": settings.repeats, "tolerance": settings.tolerance,
               "pool_twins": settings.pool_twins, "profile_s": round(seconds, 3)},
     )
-    result = _with_coverage(result, choice, measurer.figures, run.options)
+    result = _with_coverage(result, choice, measurer.figures, run.options,
+                            measurer.derives_nothing)
     if found.refusal is not None:  # why the head is not chunked, for the estimate and plans
         result = replace(result, meta={**result.meta, "head_not_chunked": found.refusal})
     if found.site is None:
@@ -627,10 +628,13 @@ def _session(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Itera
 def _with_coverage(
     result: Profile, choice: UnitChoice, figures: dict[str, dict[str, OptionFigures]],
     opts: list[str],
+    derives_nothing: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> Profile:
     """``result`` with its coverage and the units' choice in ``meta``, and the options
-    dropped per unit (``meta["dropped_options"]``)."""
-    dropped = {name: [o for o in opts if o not in figures[name]] for name in figures}
+    dropped per unit (``meta["dropped_options"]``; not derive where it would be keep)."""
+    dropped = {name: [o for o in opts if o not in figures[name]
+                      and not (o == Option.DERIVE.value and name in derives_nothing)]
+               for name in figures}
     dropped = {name: missing for name, missing in dropped.items() if missing}
     meta = {**result.meta, **choice.to_meta(), **choice.coverage.to_meta()}
     if dropped:

@@ -35,7 +35,7 @@ import torch
 
 from remat.core.errors import DeviceMemoryError, ProfileError
 from remat.core.option import Option
-from remat.execute.derive import DeriveMismatch
+from remat.execute.derive import DeriveFreesNothing, DeriveMismatch
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import clear_grads
 from remat.measurement.timing import Stopwatch
@@ -100,6 +100,9 @@ class UnitMeasurer:
     timings: dict[str, UnitTiming] = field(default_factory=dict)
     trained: dict[str, frozenset[int]] = field(default_factory=dict)
     failures: list[tuple[str, OptionFailure]] = field(default_factory=list)
+    # Units without derive because they hold nothing it could make again (not dropped:
+    # keep is what derive would be there).
+    derives_nothing: set[str] = field(default_factory=set)
     _groups: dict[Hashable, _Twins] = field(default_factory=dict)
 
     def __call__(self, call: UnitCall) -> None:
@@ -115,10 +118,15 @@ class UnitMeasurer:
             self._groups[key] = _Twins(call.name, figures, timing)
         elif group.differ or not group.checked:
             figures = self._meter(call) if group.checked else self._check_twin(call, group)
-            timing = (self._time(call, [o for o in figures if o != Option.CHECKPOINT.value])
-                      if group.differ else group.timing)
+            timing = group.timing
+            if group.differ:
+                timing, dropped = self._time_checked(
+                    call, [o for o in figures if o != Option.CHECKPOINT.value])
+                figures.pop(dropped, None)
         else:
             figures, timing, own = group.figures, group.timing, False
+            if group.first in self.derives_nothing:
+                self.derives_nothing.add(call.name)
         if own:
             self.trained[call.name] = figures[Option.KEEP.value].params_trained
         twins = self._groups[key]
@@ -153,22 +161,45 @@ class UnitMeasurer:
         then metered; where an option fails in the timed runs, metered first to find
         which, then the others timed."""
         options = [o for o in self.options if o != Option.CHECKPOINT.value]
+        dropped: str | None = None
         try:
-            timing = self._time(call, options)
+            timing, dropped = self._time_checked(call, options)
         except OptionRunFailed as failed:
             # keep runs the unit's own forward: what it raises is the model's, as it is.
             if failed.option == Option.KEEP.value or not isinstance(failed.error,
                                                                      OPTION_ERRORS):
                 raise failed.error from None
-            dropped = failed.option if isinstance(failed.error, DeriveMismatch) else None
-            if dropped is not None:  # a check that only the timed run makes
-                self._drop(call, dropped, failed.error)
         else:
-            return timing, self._meter(call)
+            return timing, self._meter(call, [o for o in self.options if o != dropped])
         # Metered outside the handler: the failed run's frames (its tensors: an option
         # that ran out of memory held its forward's) are let go of first.
-        figures = self._meter(call, [o for o in self.options if o != dropped])
-        return self._time(call, [o for o in options if o in figures]), figures
+        figures = self._meter(call)
+        timing, dropped = self._time_checked(call, [o for o in options if o in figures])
+        figures.pop(dropped, None)  # type: ignore[arg-type]
+        return timing, figures
+
+    def _time_checked(self, call: UnitCall, options: list[str]
+                      ) -> tuple[UnitTiming, str | None]:
+        """:meth:`_time`, and the option dropped by the checks only ``derive``'s first timed
+        run makes (:mod:`remat.execute.derive`): a recipe that does not repeat its value
+        (a failure, logged), or nothing to derive (not one: ``keep`` is that); timed again
+        without it."""
+        try:
+            return self._time(call, options), None
+        except OptionRunFailed as failed:
+            if not isinstance(failed.error, (DeriveMismatch, DeriveFreesNothing)):
+                raise
+            option = failed.option
+            # The error's frames hold the failed run's tensors (the unit's input among
+            # them) in a cycle with the frame that raised it: cut, so that they are gone
+            # before the runs that follow look at what is alive.
+            failed.__traceback__ = failed.error.__traceback__ = None
+            if isinstance(failed.error, DeriveFreesNothing):
+                log.debug("unit %r: %s", call.name, failed.error)
+                self.derives_nothing.add(call.name)
+            else:
+                self._drop(call, option, failed.error)
+        return self._time(call, [o for o in options if o != option]), option
 
     def _meter(self, call: UnitCall, options: list[str] | None = None
                ) -> dict[str, OptionFigures]:

@@ -74,7 +74,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from remat.core.errors import RematError
 from remat.execute.random_draws import BERNOULLI_OPS, as_mask, copy_back, plain
 
-__all__ = ["DERIVABLE_OPS", "DeriveMismatch", "forward_deriving", "outer_hooks_active"]
+__all__ = ["DERIVABLE_OPS", "DeriveFreesNothing", "DeriveMismatch", "forward_deriving",
+           "outer_hooks_active"]
 
 log = logging.getLogger(__name__)
 _aten = torch.ops.aten
@@ -117,6 +118,12 @@ _TINY = 64
 
 class DeriveMismatch(RematError):
     """A recipe made another value than the tensor it replaces (the profiler's check)."""
+
+
+class DeriveFreesNothing(RematError):
+    """Under ``verify``: no saved tensor of the unit can be derived, so ``derive`` would
+    be ``keep`` with a dispatch mode around it; raised when the forward returns, so
+    that the profiler spends no backward, timing or metering on it."""
 
 
 def outer_hooks_active() -> bool:
@@ -550,6 +557,10 @@ def forward_deriving(module: nn.Module, forward: Callable[..., Any], args: tuple
         with recorder:
             out = forward(*args, **kwargs)
     freed = recorder.resolve(verify=verify, cast_cache=cast_cache)
+    if verify and not freed:
+        raise DeriveFreesNothing(
+            f"no tensor {type(module).__name__} saves for backward is made by cheap ops "
+            "from what it holds: 'derive' would be 'keep'")
     if log.isEnabledFor(logging.DEBUG):
         log.debug("derive: %s lets go of %d bytes", type(module).__name__, freed)
     return out

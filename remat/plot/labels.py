@@ -4,7 +4,9 @@ Each label tries a ring of positions around its point (right, left, above, below
 then farther out with a leader line) and takes the first whose box lies inside the
 axes and overlaps no label placed before it, no data point and no other text in
 the axes (budget labels). When no position is clear, it takes the one with the
-least overlap, still inside the axes. Boxes are measured with the figure's
+least overlap, still inside the axes, where covering another text counts a thousand
+times covering a marker: a label over a marker still reads, two labels over each
+other do not. Boxes are measured with the figure's
 renderer after its layout has run; the layout is then frozen (a figure made by
 remat) so the saved image keeps the positions.
 """
@@ -24,7 +26,8 @@ __all__ = ["Label", "place_labels"]
 # (dx, dy) in points, horizontal and vertical alignment: near ones first.
 _NEAR = [(6, 4, "left", "bottom"), (6, -4, "left", "top"), (-6, 4, "right", "bottom"),
          (-6, -4, "right", "top"), (0, 8, "center", "bottom"), (0, -8, "center", "top")]
-_FAR = [(dx * k, dy * k, ha, va) for k in (3, 5, 8) for dx, dy, ha, va in _NEAR]
+_FAR = [(dx * k, dy * k, ha, va) for k in (3, 5, 8, 12) for dx, dy, ha, va in _NEAR]
+_TEXT_WEIGHT = 1000.0  # covering a text, against covering a marker (module docstring)
 _POINT_HALF = 4.0  # pixels around a marker that a label must not cover
 # A light background keeps a label readable where it crosses a line.
 _BACKGROUND = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none",
@@ -82,13 +85,14 @@ def place_labels(
                         fontsize=label.fontsize)
         return
     frame = ax.get_window_extent(renderer)
-    taken = [t.get_window_extent(renderer) for t in ax.texts]
+    taken = [t.get_window_extent(renderer) for t in ax.texts]  # texts
+    markers = []
     for xy in [label.xy for label in labels] + list(points):
         px, py = ax.transData.transform(xy)
-        taken.append(Bbox.from_extents(px - _POINT_HALF, py - _POINT_HALF,
-                                       px + _POINT_HALF, py + _POINT_HALF))
+        markers.append(Bbox.from_extents(px - _POINT_HALF, py - _POINT_HALF,
+                                         px + _POINT_HALF, py + _POINT_HALF))
     for y, text in line_labels:
-        taken.append(_place_line_label(ax, y, text, frame, taken, renderer))
+        taken.append(_place_line_label(ax, y, text, frame, taken + markers, renderer))
     for label in labels:
         best = None
         for dx, dy, ha, va in _NEAR + _FAR:
@@ -99,7 +103,8 @@ def place_labels(
                 arrowprops={"arrowstyle": "-", "color": "gray", "lw": 0.6} if far else None)
             box = text.get_window_extent(renderer)
             if _inside(box, frame):
-                cost = sum(_overlap(box, other) for other in taken)
+                cost = (_TEXT_WEIGHT * sum(_overlap(box, other) for other in taken)
+                        + sum(_overlap(box, other) for other in markers))
                 if best is None or cost < best[0]:
                     if best is not None:
                         best[1].remove()
