@@ -57,6 +57,35 @@ def test_labels_stay_inside_the_axes_and_apart(figure) -> None:
         assert not box_a.overlaps(box_b), (a, b)
 
 
+@pytest.mark.parametrize("seed", [6, 22, 23, 36])
+def test_labels_stay_apart_on_frontiers_whose_times_moved(seed: int) -> None:
+    # The frontier's times are measured, so its points move from run to run; with these
+    # jitters two labels were placed over each other when no position was clear of
+    # everything (covering a marker now counts far less than covering a text).
+    import random
+
+    import matplotlib.pyplot as plt
+
+    rng = random.Random(seed)
+    frontier = FRONTIER.copy()
+    frontier["time_ms"] = [t * rng.uniform(0.7, 1.3) for t in frontier["time_ms"]]
+    measured = [{"peak_bytes": int(r.peak_bytes * 1.01), "time_ms": r.time_ms * 1.05,
+                 "label": f"measured {r.algorithm}", "predicted_peak_bytes": r.peak_bytes,
+                 "predicted_time_ms": r.time_ms}
+                for r in frontier[frontier["kind"] == "baseline"].itertuples()]
+    fig = remat.plot_pareto(frontier, measured=measured,
+                            budgets=[int(frontier["peak_bytes"].median())], title="t")
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in fig.axes[0].texts
+                 if isinstance(t, Annotation)]
+        for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2):
+            assert not box_a.overlaps(box_b), (a, b)
+    finally:
+        plt.close(fig)
+
+
 def test_measured_points_are_joined_to_their_predictions(figure) -> None:
     fig, _ = figure
     ax = fig.axes[0]

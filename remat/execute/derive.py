@@ -111,6 +111,12 @@ DERIVABLE_OPS = _VIEWS | _TRANSCENDENTAL | _ARITHMETIC
 MAX_PASSES = 2
 _WEIGHT_VIEW, _WEIGHT_ARITHMETIC, _WEIGHT_TRANSCENDENTAL = 0, 1, 2
 
+# The share of what a unit saves that derive must let go of for the profiler to time
+# and meter it: below it derive is all but keep (a ResNet block: 512 bytes of 63 MB), and
+# its runs would cost a CNN of distinct blocks a plain step (issue 31: planning within
+# 10 steps).
+WORTH_PROFILING = 0.05
+
 # An argument this small (elements) is held by the recipe itself when no handle holds
 # it: scalars made into tensors, a norm's eps. Holding it costs nothing worth metering.
 _TINY = 64
@@ -121,9 +127,10 @@ class DeriveMismatch(RematError):
 
 
 class DeriveFreesNothing(RematError):
-    """Under ``verify``: no saved tensor of the unit can be derived, so ``derive`` would
-    be ``keep`` with a dispatch mode around it; raised when the forward returns, so
-    that the profiler spends no backward, timing or metering on it."""
+    """Under ``verify``: ``derive`` would let go of less than :data:`WORTH_PROFILING` of
+    what the unit saves (``keep`` with a dispatch mode around it, all but); raised when
+    the forward returns, so that the profiler spends no backward, timing or metering on
+    it."""
 
 
 def outer_hooks_active() -> bool:
@@ -362,9 +369,10 @@ class _Recorder(TorchDispatchMode):
 
     # -- resolve (step 3) ------------------------------------------------------------
 
-    def resolve(self, *, verify: bool, cast_cache: bool = False) -> int:
+    def resolve(self, *, verify: bool, cast_cache: bool = False) -> tuple[int, int]:
         """Let go of every handle's tensor that a recipe makes again at a price within
-        :data:`MAX_PASSES`; the bytes let go, once per storage. ``cast_cache``: autocast
+        :data:`MAX_PASSES`; the bytes let go and the bytes saved, once per storage.
+        ``cast_cache``: autocast
         keeps its casts of the weights until the forward pass ends, and the profile
         counts that cache alike for every option of a unit, so those casts are held as
         ``keep`` holds them (letting them go would free them in backward only, where the
@@ -374,6 +382,9 @@ class _Recorder(TorchDispatchMode):
         # Python's cycle collector runs, not until autograd lets go of each.
         handles, made = self.handles, self.made
         self.handles, self.made = [], {}
+        storages = [h.tensor.untyped_storage() for h in handles]  # type: ignore[union-attr]
+        saved_bytes = sum({st.data_ptr(): st.nbytes() for st in storages}.values())
+        del storages
         held: dict[_Key, torch.Tensor] = {}
         for p in (*self.module.parameters(), *self.module.buffers()):
             if (k := _key(p)) is not None:
@@ -428,7 +439,7 @@ class _Recorder(TorchDispatchMode):
         # Verifying, each handle keeps its tensor too and checks the recipe against it
         # when the backward asks for it (no count set: nothing is cached), so the check
         # holds what keep holds, no more.
-        return sum(freed.values())
+        return sum(freed.values()), saved_bytes
 
     # -- unpack (step 4) ---------------------------------------------------------------
 
@@ -556,11 +567,12 @@ def forward_deriving(module: nn.Module, forward: Callable[..., Any], args: tuple
     with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _Saved.unpack):
         with recorder:
             out = forward(*args, **kwargs)
-    freed = recorder.resolve(verify=verify, cast_cache=cast_cache)
-    if verify and not freed:
+    freed, saved_bytes = recorder.resolve(verify=verify, cast_cache=cast_cache)
+    if verify and freed < WORTH_PROFILING * saved_bytes:
         raise DeriveFreesNothing(
-            f"no tensor {type(module).__name__} saves for backward is made by cheap ops "
-            "from what it holds: 'derive' would be 'keep'")
+            f"{type(module).__name__} saves {saved_bytes} bytes for backward, of which cheap "
+            f"ops make {freed} again from the rest: under {WORTH_PROFILING:.0%}, 'derive' "
+            "is not worth the profile's runs")
     if log.isEnabledFor(logging.DEBUG):
         log.debug("derive: %s lets go of %d bytes", type(module).__name__, freed)
     return out
