@@ -184,8 +184,14 @@ class UnitMeasurer:
         run makes (:mod:`remat.execute.derive`): a recipe that does not repeat its value
         (a failure, logged), or nothing to derive (not one: ``keep`` is that); timed again
         without it."""
+        # keep first (what the unit's own forward raises is the model's), derive next:
+        # where its check drops it, that is early in the first round, and the samples
+        # taken before it are kept.
+        keep, derive = Option.KEEP.value, Option.DERIVE.value
+        options = sorted(options, key=lambda o: (o != keep, o != derive))
+        samples = TimingSamples(tuple(options))
         try:
-            return self._time(call, options), None
+            return self._time(call, options, samples), None
         except OptionRunFailed as failed:
             if not isinstance(failed.error, (DeriveMismatch, DeriveFreesNothing)):
                 raise
@@ -199,7 +205,10 @@ class UnitMeasurer:
                 self.derives_nothing.add(call.name)
             else:
                 self._drop(call, option, failed.error)
-        return self._time(call, [o for o in options if o != option]), option
+        rest = [o for o in options if o != option]
+        kept = TimingSamples(tuple(rest), {o: samples.fwd[o] for o in rest},
+                             {o: samples.bwd[o] for o in rest})
+        return self._time(call, rest, kept), option
 
     def _meter(self, call: UnitCall, options: list[str] | None = None
                ) -> dict[str, OptionFigures]:
@@ -241,11 +250,13 @@ class UnitMeasurer:
             ) from None
 
     # -- timing ----------------------------------------------------------------------
-    def _time(self, call: UnitCall, options: list[str]) -> UnitTiming:
+    def _time(self, call: UnitCall, options: list[str],
+              samples: TimingSamples | None = None) -> UnitTiming:
         """Timed replays of ``options`` (without checkpoint: its extra time is its
-        recomputed forward, which keep's timing measures)."""
+        recomputed forward, which keep's timing measures), added to ``samples`` when
+        given."""
         policy = self.policy
-        samples = TimingSamples(tuple(options))
+        samples = samples if samples is not None else TimingSamples(tuple(options))
         try:
             time_unit(call, options, self.runner, self.watch, warmup=policy.warmup,
                       repeats=policy.repeats, tolerance=policy.tolerance, samples=samples)
