@@ -284,12 +284,9 @@ def _forward_probed(module: torch.nn.Module, option: str, operands: _Operands,
     (:mod:`remat.execute.inplace`): torch's backward notices only where the recomputation
     reads the written tensor, so a replay that trains is no proof. Here, not in the timed
     runs: the probe's dispatch would be timed."""
-    if option == Option.DERIVE.value:
-        return forward_with_option(module, option, module.forward, operands.args,
-                                   operands.kwargs, saved=saved)
     if option != Option.SELECTIVE.value:
         return forward_with_option(module, option, module.forward, operands.args,
-                                   operands.kwargs)
+                                   operands.kwargs, saved=saved)
     try:
         # No argument watched: only what selective keeps (an argument written in place
         # is found by the capture pass, which replays such a unit on a copy).
@@ -498,7 +495,7 @@ def _timed_run(call: UnitCall, option: str, runner: StepRunner, watch: Stopwatch
     def forward() -> Any:
         with autocast():
             return forward_with_option(module, option, module.forward, operands.args,
-                                       operands.kwargs, **({"verify": True} if verify else {}))
+                                       operands.kwargs, verify=verify)
 
     out, f_ms = watch.time(forward)
     operands.drop()

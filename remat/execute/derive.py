@@ -312,7 +312,7 @@ class _Recorder(TorchDispatchMode):
             call = self._call(func, args, kwargs)
         out = func(*args, **kwargs)
         if func in BERNOULLI_OPS:
-            call = self._draw(func, args, out)
+            call = self._draw(out)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         made = self.made
         # Versions are counted above this mode, once the op returns: a written tensor
@@ -338,7 +338,7 @@ class _Recorder(TorchDispatchMode):
         return _Call(func, tuple(_sources(a, source) for a in args),
                      {k: _sources(v, source) for k, v in kwargs.items()}, 0)
 
-    def _draw(self, func: Any, args: tuple[Any, ...], out: Any) -> _Call | None:
+    def _draw(self, out: Any) -> _Call | None:
         """A Bernoulli draw (dropout's mask) as a recipe: the forward keeps it as one
         byte per element (:func:`~remat.execute.random_draws.as_mask`), which makes the
         draw again exactly (it is 0 or 1) at a quarter of a float mask's bytes."""
