@@ -349,7 +349,7 @@ def _profile(
     head, loop = settings.head, settings.loop
     started = time.perf_counter()
     try:
-        with _session(model, settings.optimizer) as state:
+        with training_session(model, settings.optimizer) as state:
             runner = StepRunner(model, sample_batch, settings.loss_fn, settings.optimizer,
                                 loop, device.type)
             run = _Profiling(model, sample_batch, settings, device, opts, watch, bar, runner,
@@ -606,23 +606,6 @@ def _out_of_memory_is_named(what: str, why: str = _NO_PLAN_FITS) -> Iterator[Non
             f"the device ran out of memory in {what} ({' '.join(str(err).split())[:300]}); "
             f"{why}"
         ) from None
-
-
-@contextlib.contextmanager
-def _session(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[ModelState]:
-    """:func:`training_session`, its snapshot taken before any pass: running out of memory
-    there is named too (the snapshot's few bytes, its RNG state and a copy of the buffers,
-    are the first the device is asked for, so a device the model and batch already fill
-    fails here)."""
-    with contextlib.ExitStack() as stack:
-        with _out_of_memory_is_named(
-                "the snapshot that puts the model back after profiling (the RNG state and a "
-                "copy of the buffers), before any pass ran",
-                "the model, its batch and what the device already holds leave no room for a "
-                "training step of any plan: use a smaller batch or model, or a device with "
-                "more memory"):
-            state = stack.enter_context(training_session(model, optimizer))
-        yield state
 
 
 def _with_coverage(

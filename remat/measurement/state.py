@@ -61,7 +61,11 @@ class RngState:
         cuda = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             cuda = torch.cuda.get_rng_state_all()
-        return cls(torch.get_rng_state(), cuda, random.getstate(), np.random.get_state())
+        # Host memory (CUDA's states are CPU tensors too): on a CPU run a simulated device
+        # must not count remat's own copy (5,056 bytes) against the step it measures.
+        with host_copies():
+            cpu = torch.get_rng_state()
+        return cls(cpu, cuda, random.getstate(), np.random.get_state())
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
@@ -225,7 +229,11 @@ class ModelState:
             # On the host: profiling must not need a second copy of the weights on the device.
             with host_copies():
                 s._param_values = [p.detach().to("cpu", copy=True) for p in s.params]
-        s._buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        with host_copies():
+            # On the host, as the parameters' copies: a second copy of a buffer (a causal
+            # mask, a rotary table) on the device is memory no plan predicts.
+            s._buffers = [(b, b.detach().clone() if b.is_meta else b.detach().to("cpu", copy=True))
+                          for b in model.buffers()]
         s._training = [(m, m.training) for m in model.modules()]
         s._dicts = [_ModuleDict.capture(m) for m in model.modules()]
         s._sharded = _sharded_fsdp(model)
