@@ -76,6 +76,7 @@ class Row:
     predicted: int
     runs: tuple[int, ...]  # every run on every rank, live bytes
     allocator_runs: tuple[int, ...]  # the same runs, the allocator's view
+    plan: str = ""  # the plan's summary (its options per unit)
 
     @property
     def worst(self) -> int:
@@ -200,7 +201,8 @@ def _rank_rows(rank: int, world: int, name: str, reshard: bool, runs: int) -> li
             rows.append(Row(name, world, reshard, "chunked" if plan.head else "as written",
                             budget, plan.record.predicted_peak_bytes,
                             tuple(itertools.chain.from_iterable(e[0] for e in every)),
-                            tuple(itertools.chain.from_iterable(e[1] for e in every))))
+                            tuple(itertools.chain.from_iterable(e[1] for e in every)),
+                            plan.summary()))
     return rows
 
 
@@ -288,7 +290,7 @@ def _mib(n: int) -> str:
 
 
 def table_rows(rows: Sequence[Row]) -> list[list[object]]:
-    return [[r.model, r.ranks, r.reshard, r.head, _mib(r.budget), _mib(r.predicted),
+    return [[r.model, r.ranks, r.reshard, r.head, _mib(r.budget), r.plan, _mib(r.predicted),
              _mib(r.worst), _mib(r.least), f"{100 * (r.worst - r.least) / r.worst:.1f}",
              f"{100 * (r.predicted - r.worst) / r.worst:+.1f}",
              "yes" if max(r.worst, r.allocator_worst) <= r.budget else "**no**",
@@ -323,7 +325,7 @@ def report(rows: Sequence[Row], unsharded: dict[str, int], segments: list[list[s
             for n, (a, _) in MODELS.items()) + ".",
         "",
         *markdown_table(
-            ["model", "ranks", "reshard", "head", "budget MiB", "predicted MiB",
+            ["model", "ranks", "reshard", "head", "budget MiB", "plan", "predicted MiB",
              "measured worst-run MiB", "min run MiB", "spread %",
              "(predicted - worst)/worst %", "fits budget", "allocator worst-run MiB",
              "allocator min run MiB", "allocator spread %",

@@ -9,7 +9,8 @@ budget) is applied to a copy of the same model, and the two steps are compared:
 * **GPT-2 124M** (``transformers``' default ``GPT2Config``, random weights): the peer
   Hugging Face's gradient checkpointing of every block (``--gpt2``).
 
-Per pair: both peaks (``remat.measure``: live tensor bytes), the aten ops per step and
+Per pair: both peaks (``remat.measure``: the higher of live tensor bytes and the
+allocator's view, as a budget counts them), the aten ops per step and
 the recomputed forward ops (a dispatch mode counting ops in forward and in backward),
 and the step time in ABAB rounds: one thread, the process pinned to one core, each
 round times a step of each (the order alternates) after warm-up; the ratio remat/peer
@@ -171,6 +172,9 @@ class Pair:
     ratios: list[float] = field(default_factory=list)
     peer_ms: float = 0.0
     remat_ms: float = 0.0
+    applied: remat.Plan | None = None  # the plan remat ran
+    solved: bool = False  # whether remat solved it (else the peer's own, as a manual plan)
+    k: int = 0  # the conv stack's peer: checkpoint_sequential(k)
 
 
 def compare(name: str, setting: str, base: nn.Module, peer: nn.Module, batch: Any,
@@ -179,17 +183,21 @@ def compare(name: str, setting: str, base: nn.Module, peer: nn.Module, batch: An
     """The peer against remat's optimal plan at the peer's peak, or against ``plan`` (the
     peer's own recomputation, as a manual plan: what remat adds around it)."""
     pair = Pair(name, setting)
-    measure_kw: dict[str, Any] = {"warmup": 1, "repeats": 1, "loop": loop}
+    # Both instruments, the higher one: what a budget means to remat (on CPU the
+    # allocator also sees oneDNN's scratch in a convolution's backward, which the
+    # dispatch-level meter does not: at checkpoint_sequential(2)'s peak, 211 KB).
+    measure_kw: dict[str, Any] = {"warmup": 1, "repeats": 1, "loop": loop, "allocator": True}
     if loss_fn is not None:
         measure_kw["loss_fn"] = loss_fn
-    pair.peer_peak = remat.measure(peer, batch, **measure_kw).peak_bytes
+    pair.peer_peak = remat.measure(peer, batch, **measure_kw).worst_peak_bytes
     if plan is None:
         plan = remat.solve(profile, memory_budget=pair.peer_peak)
+        pair.solved = True
     else:
         pair.peer += ", remat running its plan"
     planned = remat.apply_plan(copy.deepcopy(base), plan)
-    pair.plan = plan.summary()
-    pair.remat_peak = remat.measure(planned, batch, **measure_kw).peak_bytes
+    pair.plan, pair.applied = plan.summary(), plan
+    pair.remat_peak = remat.measure(planned, batch, **measure_kw).worst_peak_bytes
     pair.peer_ops = op_counts(peer, batch, loss_fn)
     pair.remat_ops = op_counts(planned, batch, loss_fn)
     for model in (peer, planned):  # warm-up
@@ -229,6 +237,7 @@ def conv_pairs(rounds: int, ks: Sequence[int]) -> list[Pair]:
         pairs.append(compare(name, setting, base, peer, batch, conv_loss, profile, rounds,
                              plan=sequential_plan(len(base), k)))
         pairs.append(compare(name, setting, base, peer, batch, conv_loss, profile, rounds))
+        pairs[-2].k = pairs[-1].k = k
     return pairs
 
 
@@ -249,7 +258,89 @@ def gpt2_pairs(rounds: int) -> list[Pair]:
                     None, profile, rounds, loop=loop)]
 
 
-def report(pairs: Sequence[Pair], command: str, started: dt.datetime, seconds: float) -> str:
+# ------------------------------------------------------------------ instructions per step
+# The stack of the instruction count: convolutions of 2 channels on 8 x 8, so that what
+# runs around each unit (remat's or the peer's) is a large share of a step.
+SMALL = {"layers": 100, "channels": 2, "image": 8, "batch": 1}
+
+
+def _small_stack(spec: dict[str, Any]) -> tuple[nn.Sequential, torch.Tensor]:
+    base = conv_stack(spec["layers"], spec["channels"])
+    torch.manual_seed(1)
+    return base, torch.randn(spec["batch"], spec["channels"], spec["image"], spec["image"])
+
+
+def instruction_configs(spec: dict[str, Any]) -> tuple[dict[str, nn.Module], torch.Tensor]:
+    """The models whose steps :mod:`callgrind` counts, by name: the peer at each k, and
+    remat applying each plan of ``spec["plans"]`` (as dicts) to the same stack."""
+    base, batch = _small_stack(spec)
+    models: dict[str, nn.Module] = {
+        f"peer {k}": CheckpointedSequential(copy.deepcopy(base), k) for k in spec["ks"]}
+    for name, plan in spec["plans"].items():
+        models[name] = remat.apply_plan(copy.deepcopy(base), remat.Plan.from_dict(plan))
+    return models, batch
+
+
+@dataclass
+class Instructions:
+    """Instructions per step at one k: the peer, remat running the peer's plan, remat's
+    own plan at the peer's peak."""
+
+    k: int
+    peer: int
+    running: int
+    own: int
+    own_plan: str
+
+
+def instruction_rows(own: dict[int, remat.Plan]) -> list[Instructions]:
+    """Count the small stack's steps under callgrind (see :mod:`callgrind`): at each k,
+    the peer, remat running the peer's plan, and ``own[k]``: remat's plan at the peer's
+    peak on the timed stack (the same 200 units, so the same recomputation as timed)."""
+    import callgrind
+
+    ks = sorted(own)
+    spec: dict[str, Any] = {**SMALL, "ks": ks, "plans": {}}
+    for k in ks:
+        spec["plans"][f"running {k}"] = sequential_plan(2 * SMALL["layers"], k).to_dict()
+        # Its decisions alone: the signatures it carries are the timed stack's.
+        spec["plans"][f"own {k}"] = remat.Plan(own[k].unit_names, own[k].options,
+                                               own[k].segments).to_dict()
+    names = [f"{what} {k}" for k in ks for what in ("peer", "running", "own")]
+    counts = callgrind.count_steps(spec, names)
+    rows = [Instructions(k, counts[f"peer {k}"], counts[f"running {k}"], counts[f"own {k}"],
+                         own[k].summary()) for k in ks]
+    for r in rows:
+        print(f"  instructions, k={r.k}: peer {r.peer:,}, remat running its plan "
+              f"{r.running:,} ({r.running / r.peer:.3f}), remat's plan {r.own:,} "
+              f"({r.own / r.peer:.3f})", flush=True)
+    return rows
+
+
+def instruction_section(rows: Sequence[Instructions] | str) -> list[str]:
+    lines = [
+        "## Instructions per step (callgrind)",
+        "",
+        f"The same comparison counted in CPU instructions, which load does not move "
+        f"(`benchmarks/callgrind.py`): {SMALL['layers']} x [Conv2d({SMALL['channels']}, "
+        f"{SMALL['channels']}), ReLU] on {SMALL['batch']} x {SMALL['channels']} x "
+        f"{SMALL['image']} x {SMALL['image']}, where what runs around each unit is a large "
+        "share of a step; remat's plan is the one timed above at the peer's peak (the same "
+        "200 units, so the same recomputation). Per step: the median of 3 counts of 3 "
+        "steps after 3 uncounted ones.",
+        "",
+    ]
+    if isinstance(rows, str):
+        return [*lines, f"Not counted on this machine: {rows}.", ""]
+    return [*lines, *markdown_table(
+        ["k", "peer instructions", "remat running its plan", "remat / peer",
+         "remat's plan", "its instructions", "remat / peer"],
+        [[r.k, f"{r.peer:,}", f"{r.running:,}", f"**{r.running / r.peer:.3f}**", r.own_plan,
+          f"{r.own:,}", f"**{r.own / r.peer:.3f}**"] for r in rows]), ""]
+
+
+def report(pairs: Sequence[Pair], command: str, started: dt.datetime, seconds: float,
+           instructions: Sequence[Instructions] | str = "not asked for") -> str:
     rows = []
     for p in pairs:
         ratio = statistics.median(p.ratios)
@@ -267,7 +358,9 @@ def report(pairs: Sequence[Pair], command: str, started: dt.datetime, seconds: f
         f"Run {started:%Y-%m-%d %H:%M} UTC on {machine_line(threads=1)}, pinned to one core; "
         f"{seconds / 60:.1f} min. Command: `{command}`.",
         "",
-        "At each peer's measured peak (live tensor bytes, `remat.measure`), `remat.solve` "
+        "At each peer's measured peak (`remat.measure`: the higher of live tensor bytes and "
+        "the allocator's view, which also sees a kernel's scratch, as a budget counts "
+        "them), `remat.solve` "
         "plans the same model with that peak as its budget; \"remat running its plan\" is "
         "remat applying the peer's own recomputation as a manual plan (the same segments), "
         "which isolates what remat adds around a unit. Time: median step "
@@ -284,6 +377,7 @@ def report(pairs: Sequence[Pair], command: str, started: dt.datetime, seconds: f
         "",
         f"Pooled over every round of every pair: remat/peer **{pooled:.3f}**.",
         "",
+        *instruction_section(instructions),
     ]
     return "\n".join(lines)
 
@@ -294,6 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     parser.add_argument("--gpt2", action="store_true", help="also GPT-2 124M (minutes)")
     parser.add_argument("--core", type=int, default=0, help="the core to pin to")
+    parser.add_argument("--no-instructions", action="store_true",
+                        help="skip the instruction counts (callgrind, about 2 min)")
     args = parser.parse_args(argv)
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
@@ -301,9 +397,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     pairs = conv_pairs(args.rounds, args.ks)
     if args.gpt2:
         pairs += gpt2_pairs(max(3, args.rounds // 3))
+    import callgrind
+
+    instructions: list[Instructions] | str = (
+        "skipped (--no-instructions)" if args.no_instructions
+        else callgrind.available() or instruction_rows(
+            {p.k: p.applied for p in pairs if p.k and p.solved and p.applied}))
     command = "python benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     write_result(RESULTS / "overhead.md",
-                 report(pairs, command.strip(), started, time.perf_counter() - t0))
+                 report(pairs, command.strip(), started, time.perf_counter() - t0,
+                        instructions))
     return 0
 
 
