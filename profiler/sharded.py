@@ -60,6 +60,13 @@ step) would see one draw of it, on one plan under the machine's load of that mom
 the worst run of another plan later: a prediction tightened so would be below a run (an
 OOM on a GPU). So :data:`IN_FLIGHT` stays the envelope, and the issue's 2% above the worst
 run is not met on gloo: the worst run itself is a draw with a 4% to 20% spread.
+Not all of that spread was the instrument's (2026-11-28): once the allocator's view
+freed each block the meter saw die at its death (:mod:`remat.measurement.deaths`), the
+GPT of 8 blocks on 4 ranks without a plan measured the same peak in 4 runs of 4 (it had
+spread 5%), but with ``keep 2, checkpoint 6`` one rank's step still ranged 12.12 to
+12.92 MB over 6 runs with 0 to 4 blocks left to the address bound: allocations made and
+freed on the record, gloo's and FSDP2's buffers alive for a longer or shorter time as
+the ranks' threads interleave.
 The other candidates measured as counted: the root's parameters are alive from the
 forward to the end of the backward; ``2 * gathered`` in a backward is the
 unit's gradients (in the replays' peak), its reduce-scatter input and gloo's second

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from remat.measurement import allocator
+from remat.measurement.deaths import Death
 from remat.measurement.meter import MemoryMeter
 
 A = 4096 * 256 * 4
@@ -89,6 +90,60 @@ def test_a_block_whose_free_went_unrecorded_is_freed_when_its_address_is_reused(
     assert allocator.peak_of(closed) == 400  # not 600: the first block went before the reuse
     unknown = [ev(0, 300, "cpu"), ev(1, 200, "cpu")]  # no address: summed as recorded
     assert allocator.unrecorded_frees_closed(unknown) == unknown
+
+
+def test_a_block_whose_storage_the_meter_saw_die_is_freed_then() -> None:
+    ev, death = allocator.AllocationEvent, Death
+    # 0xA0's storage died at 5, its free unrecorded: closed then, not at the reuse (8).
+    # 0xB0's free was recorded (6), a new block took its address (7), and the old
+    # storage's death was noted after that (7.5): it must not close the new block.
+    events = [ev(0, 300, "cpu", 0xA0), ev(1, 100, "cpu", 0xB0), ev(6, -100, "cpu", 0xB0),
+              ev(7, 100, "cpu", 0xB0), ev(8, 200, "cpu", 0xA0), ev(9, -200, "cpu", 0xA0)]
+    deaths = [death("cpu", 0xA0, born_ns=0, time_ns=5), death("cpu", 0xB0, born_ns=1, time_ns=7)]
+    closed = allocator.unrecorded_frees_closed(events, deaths)
+    assert [(e.time_ns, e.nbytes) for e in closed] == [
+        (0, 300), (1, 100), (5, -300), (6, -100), (7, 100), (8, 200), (9, -200)]
+    # A death noted a moment before its own recorded free: freed once, at the death.
+    events = [ev(0, 300, "cpu", 0xA0), ev(4, -300, "cpu", 0xA0)]
+    closed = allocator.unrecorded_frees_closed(events, [death("cpu", 0xA0, 0, 3)])
+    assert [(e.time_ns, e.nbytes) for e in closed] == [(0, 300), (3, -300)]
+
+
+def test_a_tensor_freed_on_another_thread_leaves_the_allocators_view_when_it_dies() -> None:
+    # As gloo's workers drop FSDP's collective buffers: the last reference goes on a
+    # thread the profiler does not record, so only the meter sees the free.
+    import threading
+
+    n = 1 << 20
+    handed: list[torch.Tensor] = []
+    dropped = threading.Event()
+
+    def worker() -> None:
+        handed.clear()  # the last reference, on this thread
+        dropped.set()
+
+    def step() -> None:
+        handed.append(torch.ones(n))  # 4 MiB, recorded on this thread
+        thread = threading.Thread(target=worker)
+        thread.start()
+        dropped.wait()
+        thread.join()
+        keep = [torch.ones(n + 4096) for _ in range(2)]  # elsewhere: no reuse closes it
+        del keep
+
+    with MemoryMeter() as meter, allocator.AllocatorTimeline() as timeline:
+        timeline.mark()
+        step()
+        end = timeline.mark()
+    two = 2 * (n + 4096) * 4
+    assert meter.peak_bytes == two  # the first block was gone before the two came
+    assert timeline.rise(0, end) == two
+    # Without the meter's deaths the block counts to the end of the region.
+    with allocator.AllocatorTimeline() as alone:
+        alone.mark()
+        step()
+        end = alone.mark()
+    assert alone.rise(0, end) == two + 4 * n
 
 
 def test_the_profiler_sessions_print_nothing(capfd) -> None:

@@ -24,8 +24,10 @@ all-gather output, its reduce-scatter input) is freed there unrecorded, in some 
 not in others, as the threads race. Summed as recorded, such a block would count as
 live to the end of the region, and one step's peak would vary by several such blocks
 from run to run (on two gloo ranks, 0.2 to 0.65 MB on a 4-block GPT of 0.85 MB of
-parameters). A block cannot be handed out again before it is freed, so an allocation
-at an address still live by the record frees the earlier block first
+parameters). Where a dispatch-level meter runs beside the timeline, it saw the storage
+die, on whichever thread: the block is freed then (:mod:`remat.measurement.deaths`).
+Otherwise a block cannot be handed out again before it is freed, so an allocation at an
+address still live by the record frees the earlier block first
 (:func:`unrecorded_frees_closed`): the latest time it can have gone.
 """
 
@@ -40,6 +42,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, record_function
 
+from remat.measurement.deaths import Death, recording
 from remat.measurement.torch_profiler import memory_profile
 
 __all__ = [
@@ -64,22 +67,41 @@ class AllocationEvent:
     ptr: int = 0
 
 
-def unrecorded_frees_closed(events: Iterable[AllocationEvent]) -> list[AllocationEvent]:
-    """``events`` (in time order) with a free added before each allocation at an address
-    whose block no recorded free released (see the module docstring), so no block counts
-    twice and none outlives the reuse of its address."""
-    live: dict[tuple[str, int], int] = {}
+def unrecorded_frees_closed(events: Iterable[AllocationEvent],
+                            deaths: Iterable[Death] = ()) -> list[AllocationEvent]:
+    """``events`` (in time order) with a free added for each block no recorded free
+    released (see the module docstring): at its storage's death where the meter saw it
+    (``deaths``: :mod:`remat.measurement.deaths`), else before the next allocation at its
+    address. No block counts twice, and none outlives the reuse of its address."""
+    # Deaths sort after an event of the same time: a recorded free goes first.
+    stream = sorted([(e.time_ns, 0, e) for e in events]
+                    + [(d.time_ns, 1, d) for d in deaths], key=lambda item: item[:2])
+    live: dict[tuple[str, int], tuple[int, int]] = {}  # -> (bytes, allocated at)
+    died: set[tuple[str, int]] = set()  # closed at a death: their late recorded free goes
     out: list[AllocationEvent] = []
-    for event in events:
-        key = (event.device_type, event.ptr)
+    for time_ns, kind, item in stream:
+        key = (item.device_type, item.ptr)
+        if kind == 1:
+            block = live.get(key)
+            # Only the block the dead storage was counted in: one allocated since (after
+            # a recorded free) is another storage's.
+            if block is not None and block[1] <= item.born_ns:
+                del live[key]
+                out.append(AllocationEvent(time_ns, -block[0], item.device_type, item.ptr))
+                died.add(key)
+            continue
+        event = item
         if event.ptr and event.nbytes > 0:
             earlier = live.pop(key, None)
             if earlier is not None:
-                out.append(AllocationEvent(event.time_ns, -earlier, event.device_type,
+                out.append(AllocationEvent(event.time_ns, -earlier[0], event.device_type,
                                            event.ptr))
-            live[key] = event.nbytes
+            died.discard(key)
+            live[key] = (event.nbytes, event.time_ns)
         elif event.ptr and event.nbytes < 0:
-            live.pop(key, None)
+            if live.pop(key, None) is None and key in died:
+                died.discard(key)
+                continue  # already closed at its death, a moment before
         out.append(event)
     return out
 
@@ -105,11 +127,11 @@ def allocation_events(step_fn: Callable[[], object]) -> list[AllocationEvent]:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with memory_profile(activities) as prof:
+    with memory_profile(activities) as prof, recording() as deaths:
         step_fn()
     events = _walk_allocations(prof.profiler.kineto_results.experimental_event_tree())
     events.sort(key=lambda e: e.time_ns)  # stable: ties keep the recorded order
-    return unrecorded_frees_closed(events)
+    return unrecorded_frees_closed(events, deaths)
 
 
 def peak_of(events: Iterable[AllocationEvent], device_type: str = "cpu") -> int:
@@ -170,6 +192,7 @@ class AllocatorTimeline:
     live: list[int] = field(default_factory=list)  # at each mark, above the start
     peak: list[int] = field(default_factory=list)  # since the previous mark (or the start)
     _prof: Any = None
+    _deaths: list[Death] = field(default_factory=list)  # what a meter saw freed meanwhile
     _stack: contextlib.ExitStack | None = None
     _cuda_start: int = 0
 
@@ -181,6 +204,7 @@ class AllocatorTimeline:
         else:
             self._stack = contextlib.ExitStack()
             self._prof = self._stack.enter_context(memory_profile())
+            self._deaths = self._stack.enter_context(recording())
         return self
 
     def mark(self) -> int:
@@ -209,7 +233,8 @@ class AllocatorTimeline:
         allocations = [e for e in _walk_allocations(roots) if e.device_type == "cpu"]
         allocations.sort(key=lambda e: e.time_ns)
         # (time, 0 = allocation / 1 = mark, value), allocations in their recorded order
-        stream = [(e.time_ns, 0, e.nbytes) for e in unrecorded_frees_closed(allocations)]
+        stream = [(e.time_ns, 0, e.nbytes)
+                  for e in unrecorded_frees_closed(allocations, self._deaths)]
         stack = roots
         while stack:
             event = stack.pop()

@@ -54,6 +54,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from remat.measurement.deaths import note_death, now_if_recording
 from remat.measurement.storage import local_shard
 
 __all__ = ["MemoryMeter", "MeterMark", "may_copy", "returns_alias"]
@@ -148,6 +149,9 @@ class MemoryMeter(TorchDispatchMode):
         self._lock = threading.RLock()
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while alive
         self._refs: dict[int, weakref.ref] = {}
+        # Each counted storage's device type, address and when it was counted there, for
+        # its death (deaths.py).
+        self._ptrs: dict[int, tuple[str, int, int]] = {}
         self._live = 0
         self._peak_since_mark = 0
         self._overall_peak = 0
@@ -259,6 +263,7 @@ class MemoryMeter(TorchDispatchMode):
             else:
                 self._sizes[key] = nbytes
                 self._refs[key] = weakref.ref(st, lambda _ref, k=key: self._release(k))
+                self._ptrs[key] = (st.device.type, st.data_ptr(), now_if_recording())
                 self._live += nbytes
             if self._live > self._peak_since_mark:
                 self._peak_since_mark = self._live
@@ -289,6 +294,8 @@ class MemoryMeter(TorchDispatchMode):
                 self._live += nbytes
             else:
                 return
+            # resize_ moves it
+            self._ptrs[key] = (storage.device.type, storage.data_ptr(), now_if_recording())
             if self._live > self._peak_since_mark:
                 self._peak_since_mark = self._live
             if self._live > self._overall_peak:
@@ -298,3 +305,6 @@ class MemoryMeter(TorchDispatchMode):
         with self._lock:
             self._live -= self._sizes.pop(key, 0)
             self._refs.pop(key, None)
+            where = self._ptrs.pop(key, None)
+        if where is not None:
+            note_death(*where)
