@@ -137,13 +137,9 @@ def test_a_tensor_freed_on_another_thread_leaves_the_allocators_view_when_it_die
         end = timeline.mark()
     two = 2 * (n + 4096) * 4
     assert meter.peak_bytes == two  # the first block was gone before the two came
+    # Without the meter's deaths the block would count to the end of the region, or to
+    # a reuse of its address (mmap may hand it out again: not a thing a test can hold).
     assert timeline.rise(0, end) == two
-    # Without the meter's deaths the block counts to the end of the region.
-    with allocator.AllocatorTimeline() as alone:
-        alone.mark()
-        step()
-        end = alone.mark()
-    assert alone.rise(0, end) == two + 4 * n
 
 
 def test_the_profiler_sessions_print_nothing(capfd) -> None:

@@ -34,6 +34,7 @@ address still live by the record frees the earlier block first
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,9 +74,11 @@ def unrecorded_frees_closed(events: Iterable[AllocationEvent],
     released (see the module docstring): at its storage's death where the meter saw it
     (``deaths``: :mod:`remat.measurement.deaths`), else before the next allocation at its
     address. No block counts twice, and none outlives the reuse of its address."""
-    # Deaths sort after an event of the same time: a recorded free goes first.
-    stream = sorted([(e.time_ns, 0, e) for e in events]
-                    + [(d.time_ns, 1, d) for d in deaths], key=lambda item: item[:2])
+    # Deaths sort after an event of the same time: a recorded free goes first. Both are
+    # in time order already (events sorted, deaths as noted), so a merge does.
+    stream = heapq.merge(((e.time_ns, 0, e) for e in events),
+                         sorted(((d.time_ns, 1, d) for d in deaths), key=lambda item: item[0]),
+                         key=lambda item: item[:2])
     live: dict[tuple[str, int], tuple[int, int]] = {}  # -> (bytes, allocated at)
     died: set[tuple[str, int]] = set()  # closed at a death: their late recorded free goes
     out: list[AllocationEvent] = []
