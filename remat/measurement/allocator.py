@@ -74,8 +74,9 @@ def unrecorded_frees_closed(events: Iterable[AllocationEvent],
     released (see the module docstring): at its storage's death where the meter saw it
     (``deaths``: :mod:`remat.measurement.deaths`), else before the next allocation at its
     address. No block counts twice, and none outlives the reuse of its address."""
-    # Deaths sort after an event of the same time: a recorded free goes first. Both are
-    # in time order already (events sorted, deaths as noted), so a merge does.
+    # Deaths sort after an event of the same time: a recorded free goes first. The events
+    # are sorted; deaths are noted nearly in order (two threads may interleave), so they
+    # are sorted, then merged.
     stream = heapq.merge(((e.time_ns, 0, e) for e in events),
                          sorted(((d.time_ns, 1, d) for d in deaths), key=lambda item: item[0]),
                          key=lambda item: item[:2])
