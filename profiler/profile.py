@@ -10,10 +10,10 @@ and every pass holds at most what the most frugal plan holds. The passes, in ord
    for backward, as sizes (the tensors are dropped); the units are discovered on it (or
    taken from ``units=``) and their coverage measured;
 1. **capture and replays** (:mod:`.capture`, :mod:`.unit_figures`, :mod:`.replay`,
-   :mod:`.twins`, :mod:`.released`): one forward pass, saving nothing, records the units'
-   order, whether they form a chain and which links the model's code keeps; at each
-   unit's call, the unit is replayed alone on its live input under each option, metered
-   once and timed (twins, :mod:`.twins`, once);
+   :mod:`.twins`, :mod:`.released`, :mod:`.recomputed`): one forward pass, saving
+   nothing, records the units' order, whether they form a chain and which links the
+   model's code keeps; at each unit's call, the unit is replayed alone on its live input
+   under each option, metered once and timed (twins, :mod:`.twins`, once);
 2. **outside step** (:mod:`.instrument`, :mod:`.grads`): one instrumented step whose
    units are stubs (:mod:`.stub`: their forward under ``no_grad``, a gradient of ones for
    their inputs) gives the prefix/suffix figures, the boundaries and who holds them,
@@ -453,10 +453,13 @@ def _capture_pass(run: _Profiling, found: _UnitsFound) -> tuple[UnitTrace, UnitM
     # where it disagrees a third round is taken, whose median of three discards it.
     # ``warmup`` beyond 1 adds un-timed rounds.
     more_warmup = max(settings.warmup - 1, 0)
+    rng_bytes, device_type = _recompute_rng_bytes(run.device), run.device.type
     measurer = UnitMeasurer(
         run.options, run.runner, run.watch,
         TimingPolicy(more_warmup, settings.repeats, settings.tolerance, settings.pool_twins),
-        run.bar, needs_bytes=lambda name: unit_bytes.get(name, 0), recorded=found.recorded.get)
+        run.bar,
+        recompute_stash=lambda module: rng_bytes + recompute_snapshot_bytes(module, device_type),
+        needs_bytes=lambda name: unit_bytes.get(name, 0), recorded=found.recorded.get)
     with _out_of_memory_is_named("the forward pass that replays the units"):
         trace = trace_units(run.model, choice.units,
                             lambda: run.runner.forward(autocast_cache=False),

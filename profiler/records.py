@@ -155,6 +155,14 @@ class OptionFigures:
     # above the backward's start, as bwd_peak_bytes.
     released_bwd_peak_bytes: int | None = None
     grads_ready: tuple[tuple[int, int], ...] = ()
+    # keep's: live bytes above the backward's start, less the output's gradient, when it
+    # first unpacked a saved tensor, where a region recomputing the unit starts its
+    # recomputation (the gradient cast to a lower precision is made before it); None where
+    # not recorded (:mod:`.recomputed`).
+    recompute_start_bytes: int | None = None
+    # keep's: its forward's peak up to its last save, above its start, where torch's early
+    # stop ends a recomputation of the unit; None where not recorded.
+    recompute_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,9 @@
 
 Isolated replays: one unit, on its captured inputs, under each option.
 
-:func:`measure_option` gives an option's bytes (keep's usually come from the
-baseline step instead: :func:`~remat.profiler.instrument.instrumented_step`
-reads the same figures off it), :func:`time_unit` its times (samples that twin
-units pool: :mod:`.twins`).
+:func:`measure_option` gives an option's bytes, :func:`measure_forward` those of its
+forward alone (checkpoint's, whose backward :mod:`.recomputed` composes of keep's),
+:func:`time_unit` its times (samples that twin units pool: :mod:`.twins`).
 
 Each option runs through :func:`forward_with_option`, exactly as the runtime
 will run it. The unit's first input is a fresh storage allocated *before* the
@@ -25,6 +24,12 @@ Per option, in bytes above the live bytes at each point:
   survives dropping our own references to it (weak references tell);
 * ``bwd_peak_bytes``: peak of the backward above its start, where the start
   includes what the unit holds and the gradient of its output;
+* for keep, where a recomputation of the unit would start and peak
+  (:mod:`.recomputed`): ``recompute_start_bytes``, the live bytes above the backward's
+  start, less the output's gradient, when the backward first unpacks a saved tensor (a
+  gradient cast down under autocast is made before it), and ``recompute_peak_bytes``,
+  the forward's peak up to its last save (torch's early stop ends the recomputation
+  there);
 * for a loop that steps the optimizer in backward, the same backward with each of the
   unit's parameter gradients freed once complete (:mod:`.released`):
   ``released_bwd_peak_bytes``, and ``grads_ready``, per parameter the live bytes on
@@ -59,13 +64,17 @@ from remat.profiler.timeline import TimelineMeter
 __all__ = [
     "OPTION_ERRORS",
     "OptionFailure",
+    "ForwardFigures",
     "OptionRunFailed",
     "TimingSamples",
+    "measure_forward",
     "measure_option",
     "time_unit",
 ]
 
 log = logging.getLogger("remat")
+
+_SAVE = "save"  # the label of the marks keep's metered forward takes at each save
 
 _R = TypeVar("_R")  # what a replay gives: its figures, or its times
 
@@ -153,17 +162,24 @@ def _cloning_where_refused(call: UnitCall, runner: StepRunner, clone: bool,
         return replay(True)
 
 
-def _saved_storages() -> tuple[set[int], Any]:
+def _saved_storages(on_pack: Callable[[], None], on_unpack: Callable[[], None]
+                    ) -> tuple[set[int], Any]:
     """A set of the storages autograd saves inside the block, and the hooks that fill it
-    (identity: autograd keeps the tensors as it would)."""
+    (identity: autograd keeps the tensors as it would); ``on_pack()`` and ``on_unpack()``
+    run at each pack and unpack."""
     saved: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.layout == torch.strided:
             saved.add(id(t.untyped_storage()))
+        on_pack()
         return t
 
-    return saved, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        on_unpack()
+        return t
+
+    return saved, torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _backward_seed(y: torch.Tensor | None) -> torch.Tensor | None:
@@ -201,6 +217,52 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
         call, runner, clone, lambda c: _measure_option(call, option, runner, clone=c))
 
 
+@dataclass(frozen=True)
+class ForwardFigures:
+    """A metered forward whose backward was not run (:func:`measure_forward`): the forward
+    side of :class:`OptionFigures`, and the output's storage (``output_bytes``)."""
+
+    held_bytes: int
+    holds_input: bool
+    holds_output: bool
+    fwd_peak_bytes: int
+    forward_cache_bytes: int
+    output_bytes: int
+
+
+def measure_forward(call: UnitCall, option: str, runner: StepRunner) -> ForwardFigures:
+    """Replay ``call``'s forward once under ``option`` with the memory meter, and no
+    backward: the figures :func:`measure_option` takes of the forward, on the same
+    footing (a caller derives the backward's: :mod:`.recomputed`)."""
+    clone = call.writes_input or option == Option.OFFLOAD.value
+    return _cloning_where_refused(
+        call, runner, clone, lambda c: _measure_forward(call, option, runner, clone=c))
+
+
+def _measure_forward(call: UnitCall, option: str, runner: StepRunner, *,
+                     clone: bool) -> ForwardFigures:
+    operands, leaf = _operands(call, runner, clone=clone)
+    with TimelineMeter(device_type=runner.device_type, allocator=True) as meter:
+        begin = len(meter.marks)
+        meter.mark("start")
+        forward = _metered_forward(meter, call.module, option, runner, operands, clone=clone)
+        # Marked with the graph alive, as the backward's start is: what the allocator made
+        # outside the dispatcher and the graph holds counts as held, as there.
+        meter.mark("backward start")
+        fwd_end = len(meter.marks) - 2
+        forward.seed = forward.root_grad = None  # the graph goes: no backward runs
+        del leaf
+        clear_grads(runner.params)
+    return ForwardFigures(
+        held_bytes=max(forward.held, 0) + meter.hidden_held(begin, fwd_end + 1),
+        holds_input=forward.holds_input,
+        holds_output=forward.holds_output,
+        fwd_peak_bytes=meter.rise(begin, fwd_end),
+        forward_cache_bytes=max(forward.cache_bytes, 0),
+        output_bytes=forward.output_bytes,
+    )
+
+
 @dataclass
 class _AfterForward:
     """What the metered forward leaves: what starts the backward (``seed`` and
@@ -209,10 +271,14 @@ class _AfterForward:
     seed: torch.Tensor | None
     root_grad: torch.Tensor | None
     output_grad_bytes: int  # the gradient the seed hands the unit's output
+    output_bytes: int  # the output's storage
     held: int  # live after the forward, less the output's storage
     cache_bytes: int  # what only the autocast region kept alive
     holds_input: bool
     holds_output: bool
+    # keep's, on the live input: the live bytes when its backward first unpacked a saved
+    # tensor (filled as the backward runs; empty where not recorded).
+    first_unpack: list[int] = field(default_factory=list)
 
 
 def _measure_option(call: UnitCall, option: str, runner: StepRunner, *,
@@ -246,7 +312,15 @@ def _metered_forward(meter: TimelineMeter, module: torch.nn.Module, option: str,
     # no op inside the unit made (an input is one: derive records its own), checkpoint
     # and selective hold every tensor argument for their recomputation. On a copy, a
     # weak reference tells.
-    saved, recording = _saved_storages()
+    first_unpack: list[int] = []  # live bytes when the backward first unpacked a save
+
+    def unpacked() -> None:
+        if not first_unpack:
+            first_unpack.append(meter.live_bytes)
+
+    # A mark at each save: torch's early stop ends a recomputation at the last one
+    # (:mod:`.recomputed`), so the forward's peak up to it is the recomputation's.
+    saved, recording = _saved_storages(lambda: meter.mark(_SAVE), unpacked)
     with runner.autocast(), (recording if keep and not clone else contextlib.nullcontext()):
         out = _forward_probed(module, option, operands, saved)
         in_region = meter.live_bytes
@@ -255,7 +329,8 @@ def _metered_forward(meter: TimelineMeter, module: torch.nn.Module, option: str,
     y = boundary_output(out)
     del out  # other outputs die unless the unit saved them
     counted = meter.record_of(y) is not None
-    held = meter.live_bytes - (storage_nbytes(y) if counted else 0)
+    output_bytes = storage_nbytes(y) if y is not None else 0
+    held = meter.live_bytes - (output_bytes if counted else 0)
     seed = _backward_seed(y)
     grad_bytes = y.numel() * y.element_size() if seed is not None else 0
     # A scalar; live before the backward starts, so not in its rise (a step's loss
@@ -272,8 +347,8 @@ def _metered_forward(meter: TimelineMeter, module: torch.nn.Module, option: str,
     else:
         holds_input = (x_storage in saved if option in (Option.KEEP.value, Option.DERIVE.value)
                        else Option(option).recomputes)
-    return _AfterForward(seed, root_grad, grad_bytes, held, cache_bytes, holds_input,
-                         holds_output)
+    return _AfterForward(seed, root_grad, grad_bytes, output_bytes, held, cache_bytes,
+                         holds_input, holds_output, first_unpack)
 
 
 def _forward_probed(module: torch.nn.Module, option: str, operands: _Operands,
@@ -328,7 +403,10 @@ def _option_figures(meter: TimelineMeter, begin: int, forward: _AfterForward,
                     ready: dict[int, tuple[int | None, int]], *, input_grad: int,
                     trained: frozenset[int]) -> OptionFigures:
     """The figures of a metered replay whose marks start at ``begin``."""
-    fwd_end, bwd_start, bwd_end = begin + 1, begin + 2, begin + 3
+    labels = [m.label for m in meter.marks]
+    fwd_end = labels.index("forward", begin)
+    bwd_start, bwd_end = fwd_end + 1, fwd_end + 2
+    saves = [i for i in range(begin + 1, fwd_end) if labels[i] == _SAVE]
     grad_bytes = forward.output_grad_bytes
     bwd_rise = meter.rise(bwd_start, bwd_end)
     released = released_curve(meter, meter.ticks["backward start"], meter.ticks["backward"],
@@ -336,6 +414,8 @@ def _option_figures(meter: TimelineMeter, begin: int, forward: _AfterForward,
     # What the allocator saw above the dispatch level (kernels' scratch) counts here too.
     dispatch_rise = meter.peak_between(bwd_start, bwd_end) - meter.marks[bwd_start].live_bytes
     scratch = max(bwd_rise - dispatch_rise, 0)
+    recompute_start = (forward.first_unpack[0] - meter.marks[bwd_start].live_bytes - grad_bytes
+                       if forward.first_unpack else None)
     return OptionFigures(
         held_bytes=max(forward.held, 0) + meter.hidden_held(begin, bwd_start),
         holds_input=forward.holds_input,
@@ -350,6 +430,8 @@ def _option_figures(meter: TimelineMeter, begin: int, forward: _AfterForward,
             if ready else None),
         grads_ready=tuple((k, live - released.start_bytes - grad_bytes)
                           for k, live in sorted(released.ready_bytes.items())),
+        recompute_start_bytes=recompute_start,
+        recompute_peak_bytes=meter.rise(begin, saves[-1]) if saves else None,
     )
 
 
@@ -401,18 +483,18 @@ class TimingSamples:
 
     def settled(self, repeats: int, tolerance: float) -> bool:
         """Every figure the profile takes pins its median of ``repeats`` to within
-        ``tolerance`` times the option's total (:func:`parts_settled`): keep's forward,
-        backward and total (checkpoint's extra time is keep's forward), and the other
-        options' totals, whose split the profile does not use (an option's extra time
-        is its total less keep's)."""
-        def parts(o: str) -> tuple[list[float], ...]:
-            return (self.fwd[o], self.bwd[o]) if o == Option.KEEP.value else ()
+        ``tolerance`` times the option's total (:meth:`option_settled`)."""
+        return all(self.option_settled(o, repeats, tolerance) for o in self.options)
 
-        return all(
-            parts_settled([f + b for f, b in zip(self.fwd[o], self.bwd[o])], *parts(o),
-                          repeats=repeats, tolerance=tolerance)
-            for o in self.options
-        )
+    def option_settled(self, option: str, repeats: int, tolerance: float) -> bool:
+        """``option``'s figures pin their medians of ``repeats`` to within ``tolerance``
+        times its total (:func:`parts_settled`): keep's forward, backward and total
+        (checkpoint's extra time is keep's forward); another option's total, whose split
+        the profile does not use (an option's extra time is its total less keep's)."""
+        fwd, bwd = self.fwd[option], self.bwd[option]
+        parts = (fwd, bwd) if option == Option.KEEP.value else ()
+        return parts_settled([f + b for f, b in zip(fwd, bwd)], *parts, repeats=repeats,
+                             tolerance=tolerance)
 
     def timing(self) -> UnitTiming:
         """The medians."""
@@ -450,9 +532,13 @@ def time_unit(
     limit = max_rounds if max_rounds is not None else repeats
     taken = 0
     for round_ in range(warmup + repeats):
-        if round_ >= warmup and (taken >= limit or samples.settled(repeats, tolerance)):
+        # Past the warm-up, a round times only the options not settled yet (an option
+        # whose cold first run was a sample may have three while another has two).
+        pending = (list(options) if round_ < warmup else
+                   [o for o in options if not samples.option_settled(o, repeats, tolerance)])
+        if not pending or (round_ >= warmup and taken >= limit):
             break
-        for option in options:
+        for option in pending:
             try:
                 # derive's first run checks its recipes (:mod:`remat.execute.derive`): a
                 # cold round, the sample a median of three discards.

@@ -10,7 +10,11 @@ unit's replay at a time on top of what the forward itself references.
 For each unit: the options are timed first (``checkpoint`` not: its extra time is by
 definition its recomputed forward, keep's forward time), which also warms its kernels
 up (a kernel's first run can allocate what later runs reuse, oneDNN's scratch, which no
-metered run should count); then each option is replayed once under the meter. An
+metered run should count); then each option is replayed once under the meter,
+``checkpoint`` last and, where selective's replay showed torch's recomputation running
+on the unit, its forward alone (its backward is keep's after a recomputation:
+:mod:`.recomputed`). A round of timed runs times only the options whose figures have
+not settled yet. An
 option that fails on the unit (selective checkpointing of a tensor mutated in place, a
 recomputation torch refuses, or the device running out of memory for it) is dropped for
 that unit, with a warning naming the unit, the option and the reason. ``keep`` failing
@@ -40,12 +44,14 @@ from remat.measurement.runner import StepRunner
 from remat.measurement.state import clear_grads
 from remat.measurement.timing import Stopwatch
 from remat.profiler.progress import Progress
+from remat.profiler.recomputed import checkpoint_figures
 from remat.profiler.records import OptionFigures, TimingPolicy, UnitCall, UnitTiming
 from remat.profiler.replay import (
     OPTION_ERRORS,
     OptionFailure,
     OptionRunFailed,
     TimingSamples,
+    measure_forward,
     measure_option,
     time_unit,
 )
@@ -94,6 +100,8 @@ class UnitMeasurer:
     watch: Stopwatch
     policy: TimingPolicy
     bar: Progress
+    # What a region recomputing the unit holds beside its forward (:mod:`.recomputed`).
+    recompute_stash: Callable[[torch.nn.Module], int] = lambda _module: 0
     needs_bytes: Callable[[str], int] = lambda _name: 0
     recorded: Callable[[str], Hashable] = lambda _name: None
     figures: dict[str, dict[str, OptionFigures]] = field(default_factory=dict)
@@ -152,7 +160,8 @@ class UnitMeasurer:
         if group.differ:
             log.debug("twins %r and %r differ in bytes: each is measured",
                       group.first, call.name)
-            return {**figures, **self._meter(call, [o for o in self.options if o != keep])}
+            return {**figures, **self._meter(call, [o for o in self.options if o != keep],
+                                             keep=figures[keep])}
         return {**group.figures, **figures}
 
     # -- metering --------------------------------------------------------------------
@@ -210,11 +219,19 @@ class UnitMeasurer:
                              {o: samples.bwd[o] for o in rest})
         return self._time(call, rest, kept), option
 
-    def _meter(self, call: UnitCall, options: list[str] | None = None
-               ) -> dict[str, OptionFigures]:
-        """``call`` replayed once under the meter per option (``options``, or all)."""
+    def _meter(self, call: UnitCall, options: list[str] | None = None, *,
+               keep: OptionFigures | None = None) -> dict[str, OptionFigures]:
+        """``call`` replayed once under the meter per option (``options``, or all; ``keep``:
+        keep's figures, metered before).
+
+        ``checkpoint`` goes last: where keep's figures are there and selective's replay
+        just ran its backward (torch's recomputation works on the unit), only its forward
+        is metered and its backward composed of keep's (:mod:`.recomputed`); else it is
+        metered in full."""
+        asked = self.options if options is None else options
+        ckpt = Option.CHECKPOINT.value
         figures: dict[str, OptionFigures] = {}
-        for option in self.options if options is None else options:
+        for option in [o for o in asked if o != ckpt]:
             if option == Option.KEEP.value:
                 figures[option] = self._keep_or_fail(
                     call, lambda o=option: measure_option(call, o, self.runner))
@@ -223,7 +240,19 @@ class UnitMeasurer:
                 figures[option] = measure_option(call, option, self.runner)
             except OPTION_ERRORS as err:  # an out-of-memory error is a RuntimeError too
                 self._drop(call, option, err)
-        return figures
+        if ckpt in asked:
+            keep = figures.get(Option.KEEP.value, keep)
+            recomputes = (keep is not None and keep.recompute_start_bytes is not None
+                          and keep.recompute_peak_bytes is not None
+                          and Option.SELECTIVE.value in figures)
+            try:
+                figures[ckpt] = (
+                    checkpoint_figures(measure_forward(call, ckpt, self.runner), keep,
+                                       stash_bytes=self.recompute_stash(call.module))
+                    if recomputes else measure_option(call, ckpt, self.runner))
+            except OPTION_ERRORS as err:
+                self._drop(call, ckpt, err)
+        return {o: figures[o] for o in asked if o in figures}
 
     def _drop(self, call: UnitCall, option: str, err: BaseException) -> None:
         """``option`` cannot run on ``call``'s unit: one log line and a failure recorded."""
