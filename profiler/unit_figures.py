@@ -100,8 +100,11 @@ class UnitMeasurer:
     watch: Stopwatch
     policy: TimingPolicy
     bar: Progress
-    # What a region recomputing the unit holds beside its forward (:mod:`.recomputed`).
+    # What a region recomputing the unit holds beside its forward (:mod:`.recomputed`),
+    # and whether checkpoint's backward may be composed at all (not on a rank of a
+    # distributed run: there the replays' windows hold FSDP2's and gloo's buffers).
     recompute_stash: Callable[[torch.nn.Module], int] = lambda _module: 0
+    compose_checkpoint: bool = True
     needs_bytes: Callable[[str], int] = lambda _name: 0
     recorded: Callable[[str], Hashable] = lambda _name: None
     figures: dict[str, dict[str, OptionFigures]] = field(default_factory=dict)
@@ -242,7 +245,8 @@ class UnitMeasurer:
                 self._drop(call, option, err)
         if ckpt in asked:
             keep = figures.get(Option.KEEP.value, keep)
-            recomputes = (keep is not None and keep.recompute_start_bytes is not None
+            recomputes = (self.compose_checkpoint and keep is not None
+                          and keep.recompute_start_bytes is not None
                           and keep.recompute_peak_bytes is not None
                           and Option.SELECTIVE.value in figures)
             try:

@@ -10,6 +10,8 @@ and the forward's tail after its last save.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -134,5 +136,26 @@ def test_a_unit_selective_cannot_run_is_metered_in_full(monkeypatch) -> None:
     model, batch, loss_fn, loop = CASES["bn-dropout"]()
     prof = remat.profile(model, batch, loss_fn=loss_fn, loop=loop, repeats=1, warmup=0,
                          progress=False, options=["keep", "checkpoint"])
+    assert composed == []
+    assert all(CKPT in u.options for u in prof.units)
+
+
+def test_a_rank_of_a_distributed_run_meters_checkpoint_in_full(monkeypatch) -> None:
+    """On a rank, replays run inside FSDP2's windows and beside gloo's buffers, which the
+    composition does not see as a full replay does: no forward-only replay there."""
+    composed: list[str] = []
+    measure_forward = unit_figures.measure_forward
+
+    def spy(call, option, runner):  # noqa: ANN001, ANN202
+        composed.append(call.name)
+        return measure_forward(call, option, runner)
+
+    monkeypatch.setattr(unit_figures, "measure_forward", spy)
+    # As on a rank (a process group of one would do, at the cost of a gloo store).
+    monkeypatch.setattr(importlib.import_module("remat.profiler.profile"), "_distributed",
+                        lambda: True)
+    model, batch, loss_fn, loop = CASES["bn-dropout"]()
+    prof = remat.profile(model, batch, loss_fn=loss_fn, loop=loop, repeats=1, warmup=0,
+                         progress=False)
     assert composed == []
     assert all(CKPT in u.options for u in prof.units)
