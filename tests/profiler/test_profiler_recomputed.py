@@ -122,40 +122,46 @@ def test_composed_checkpoint_is_never_below_the_metered_one(monkeypatch, name: s
         assert ckpt.bwd_peak_bytes - metered.bwd_peak_bytes <= spared, uname
 
 
-def test_a_unit_selective_cannot_run_is_metered_in_full(monkeypatch) -> None:
-    """Without selective's replays, nothing showed torch's recomputation running on the
-    unit: checkpoint's backward is metered, not composed."""
-    composed: list[str] = []
+@pytest.fixture
+def composed(monkeypatch) -> list[str]:
+    """The units whose checkpoint was replayed forward only (its backward composed)."""
+    names: list[str] = []
     measure_forward = unit_figures.measure_forward
 
     def spy(call, option, runner):  # noqa: ANN001, ANN202
-        composed.append(call.name)
+        names.append(call.name)
         return measure_forward(call, option, runner)
 
     monkeypatch.setattr(unit_figures, "measure_forward", spy)
+    return names
+
+
+def _bn_dropout_profile(**options: object) -> remat.Profile:
     model, batch, loss_fn, loop = CASES["bn-dropout"]()
-    prof = remat.profile(model, batch, loss_fn=loss_fn, loop=loop, repeats=1, warmup=0,
-                         progress=False, options=["keep", "checkpoint"])
+    return remat.profile(model, batch, loss_fn=loss_fn, loop=loop, repeats=1, warmup=0,
+                         progress=False, **options)
+
+
+def test_a_unit_selective_cannot_run_is_metered_in_full(composed) -> None:
+    """Without selective's replays, nothing showed torch's recomputation running on the
+    unit: checkpoint's backward is metered, not composed."""
+    prof = _bn_dropout_profile(options=["keep", "checkpoint"])
     assert composed == []
     assert all(CKPT in u.options for u in prof.units)
 
 
-def test_a_rank_of_a_distributed_run_meters_checkpoint_in_full(monkeypatch) -> None:
+def test_a_rank_of_a_distributed_run_meters_checkpoint_in_full(monkeypatch, composed) -> None:
     """On a rank, replays run inside FSDP2's windows and beside gloo's buffers, which the
     composition does not see as a full replay does: no forward-only replay there."""
-    composed: list[str] = []
-    measure_forward = unit_figures.measure_forward
-
-    def spy(call, option, runner):  # noqa: ANN001, ANN202
-        composed.append(call.name)
-        return measure_forward(call, option, runner)
-
-    monkeypatch.setattr(unit_figures, "measure_forward", spy)
     # As on a rank (a process group of one would do, at the cost of a gloo store).
     monkeypatch.setattr(importlib.import_module("remat.profiler.profile"), "_distributed",
                         lambda: True)
-    model, batch, loss_fn, loop = CASES["bn-dropout"]()
-    prof = remat.profile(model, batch, loss_fn=loss_fn, loop=loop, repeats=1, warmup=0,
-                         progress=False)
+    prof = _bn_dropout_profile()
     assert composed == []
     assert all(CKPT in u.options for u in prof.units)
+
+
+def test_a_single_process_composes_checkpoint(composed) -> None:
+    """The two tests above can fail: the same model, on one process, composes."""
+    _bn_dropout_profile()
+    assert composed
