@@ -521,10 +521,11 @@ def time_unit(
     """Time ``call`` under each option (no meter, no hooks); the samples, for their medians.
 
     Options are interleaved within each round so slow drifts (other processes,
-    clocks) hit them alike. Rounds stop once the samples pin every median of
-    ``repeats`` to within ``tolerance`` times the option's total time
-    (:meth:`TimingSamples.settled`; ``tolerance=0`` takes ``repeats`` rounds), or
-    after ``max_rounds`` timed rounds. Samples are added to ``samples`` when given
+    clocks) hit them alike. A timed round runs only the options whose samples do not
+    yet pin their median of ``repeats`` to within ``tolerance`` times the option's
+    total time (:meth:`TimingSamples.option_settled`; ``tolerance=0`` takes ``repeats``
+    samples of each); rounds stop once every option's do, or after ``max_rounds`` timed
+    rounds. Samples are added to ``samples`` when given
     (twin units pool theirs), else to new ones.
     """
     params = runner.params
