@@ -210,11 +210,17 @@ def measure_option(call: UnitCall, option: str, runner: StepRunner) -> OptionFig
     nothing), the backward outside it, as in a training loop; what only the autocast
     region kept alive (its cache of weight casts) is ``forward_cache_bytes``.
     """
-    # offload's own saved-tensor hooks take the place of the recording one: whether it
-    # holds the input only a weak reference can tell, on a copy. derive tells itself.
-    clone = call.writes_input or option == Option.OFFLOAD.value
     return _cloning_where_refused(
-        call, runner, clone, lambda c: _measure_option(call, option, runner, clone=c))
+        call, runner, _on_a_copy(call, option),
+        lambda c: _measure_option(call, option, runner, clone=c))
+
+
+def _on_a_copy(call: UnitCall, option: str) -> bool:
+    """Whether a metered replay of ``call`` under ``option`` runs on a copy of its input:
+    a unit that writes its input in place; offload, whose own saved-tensor hooks take
+    the place of the recording one, so that whether it holds the input only a weak
+    reference can tell, on a copy (derive tells itself)."""
+    return call.writes_input or option == Option.OFFLOAD.value
 
 
 @dataclass(frozen=True)
@@ -234,9 +240,9 @@ def measure_forward(call: UnitCall, option: str, runner: StepRunner) -> ForwardF
     """Replay ``call``'s forward once under ``option`` with the memory meter, and no
     backward: the figures :func:`measure_option` takes of the forward, on the same
     footing (a caller derives the backward's: :mod:`.recomputed`)."""
-    clone = call.writes_input or option == Option.OFFLOAD.value
     return _cloning_where_refused(
-        call, runner, clone, lambda c: _measure_forward(call, option, runner, clone=c))
+        call, runner, _on_a_copy(call, option),
+        lambda c: _measure_forward(call, option, runner, clone=c))
 
 
 def _measure_forward(call: UnitCall, option: str, runner: StepRunner, *,
@@ -480,11 +486,6 @@ class TimingSamples:
     def add(self, option: str, fwd_ms: float, bwd_ms: float) -> None:
         self.fwd[option].append(fwd_ms)
         self.bwd[option].append(bwd_ms)
-
-    def settled(self, repeats: int, tolerance: float) -> bool:
-        """Every figure the profile takes pins its median of ``repeats`` to within
-        ``tolerance`` times the option's total (:meth:`option_settled`)."""
-        return all(self.option_settled(o, repeats, tolerance) for o in self.options)
 
     def option_settled(self, option: str, repeats: int, tolerance: float) -> bool:
         """``option``'s figures pin their medians of ``repeats`` to within ``tolerance``
