@@ -326,14 +326,6 @@ class _UnitsFound:
     recorded: dict[str, tuple[int, int]]
 
 
-def _distributed() -> bool:
-    """Whether this process is a rank of a distributed run. Its replays run inside FSDP2's
-    windows and beside gloo's buffers, which a forward-only replay and keep's backward do
-    not see as a full checkpoint replay does (composed figures were up to 13 MB above it
-    on a Llama-style block on 2 ranks): checkpoint is metered in full there."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def _recompute_rng_bytes(device: torch.device) -> int:
     """What torch's checkpoint stashes of the RNG state while a region recomputes
     (``torch.random.fork_rng``), on the meter of ``device``'s type: the CPU generator's
@@ -467,7 +459,6 @@ def _capture_pass(run: _Profiling, found: _UnitsFound) -> tuple[UnitTrace, UnitM
         TimingPolicy(more_warmup, settings.repeats, settings.tolerance, settings.pool_twins),
         run.bar,
         recompute_stash=lambda module: rng_bytes + recompute_snapshot_bytes(module, device_type),
-        compose_checkpoint=not _distributed(),
         needs_bytes=lambda name: unit_bytes.get(name, 0), recorded=found.recorded.get)
     with _out_of_memory_is_named("the forward pass that replays the units"):
         trace = trace_units(run.model, choice.units,

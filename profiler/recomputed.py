@@ -40,10 +40,13 @@ Selective checkpointing recomputes through the same machinery, so checkpoint is
 composed only on units where selective's replay ran its backward; elsewhere it is
 metered in full (:meth:`~remat.profiler.unit_figures.UnitMeasurer._meter`), and so
 where keep's replay could not record where a recomputation starts (a unit replayed on a
-copy of its input), and on every rank of a distributed run: there a replay runs inside
-FSDP2's window of the unit's gathered parameters and beside gloo's buffers, which the
-forward alone and keep's backward count otherwise than a full checkpoint replay does (on
-2 gloo ranks the composed figures of a Llama-style block were 3.5 to 13 MB above it).
+copy of its input). On a rank of an FSDP2 run, inside FSDP2's window of the unit's
+gathered parameters, the composed figures equal the full replay's (2 gloo ranks, the
+Llama-style and GPT blocks of ``benchmarks/fsdp.py``, both ``reshard_after_forward``;
+``tests/test_fsdp_collective.py`` holds it). A first measurement there had them 3.5 to
+13 MB above: replays then left gradients on the gathered parameters, so later replays
+added into them in place and the full replay missed their bytes
+(:func:`~remat.profiler.replay.clear_replay_grads`).
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ __all__ = [
     "ForwardFigures",
     "OptionRunFailed",
     "TimingSamples",
+    "clear_replay_grads",
     "measure_forward",
     "measure_option",
     "time_unit",
@@ -137,10 +138,26 @@ def _operands(call: UnitCall, runner: StepRunner, *, clone: bool
     """The inputs of one replay of ``call`` (its RNG state put back, no gradient alive),
     and the leaf that collects its first input's gradient (see :func:`_fresh_input`)."""
     call.rng.restore()
-    clear_grads(runner.params)
+    clear_replay_grads(call, runner)
     first, leaf = _fresh_input(call, clone=clone)
     args, kwargs = call.inputs(first)
     return _Operands(first, args, kwargs), leaf
+
+
+def clear_replay_grads(call: UnitCall, runner: StepRunner) -> None:
+    """No gradient left by a replay of ``call``: on the model's parameters, nor on the
+    unit's own.
+
+    They are the same tensors on a model as it is. Under FSDP2 they are not: a replay runs
+    inside FSDP2's window, on the unit's gathered parameters, while the model's are the
+    sharded ones. A gradient left on the gathered ones outlives the window, and the next
+    backward through the unit reduce-scatters it: a collective only the ranks that
+    replayed the unit issue. Where one rank measured a twin on its own and another took
+    the first twin's figures (a decision each makes on its own bytes), that hung the job
+    (CI, 2026-11-28). The next replay's backward also added into it in place, so the
+    gradients' bytes were missing from its peak."""
+    clear_grads(runner.params)
+    clear_grads(list(call.module.parameters()))
 
 
 def _writes_its_leaf_input(err: RuntimeError) -> bool:
@@ -157,7 +174,7 @@ def _cloning_where_refused(call: UnitCall, runner: StepRunner, clone: bool,
     except RuntimeError as err:
         if clone or not _writes_its_leaf_input(err):
             raise
-        clear_grads(runner.params)
+        clear_replay_grads(call, runner)
         call.writes_input = True
         return replay(True)
 
@@ -258,7 +275,7 @@ def _measure_forward(call: UnitCall, option: str, runner: StepRunner, *,
         fwd_end = len(meter.marks) - 2
         forward.seed = forward.root_grad = None  # the graph goes: no backward runs
         del leaf
-        clear_grads(runner.params)
+        clear_replay_grads(call, runner)
     return ForwardFigures(
         held_bytes=max(forward.held, 0) + meter.hidden_held(begin, fwd_end + 1),
         holds_input=forward.holds_input,
@@ -301,7 +318,7 @@ def _measure_option(call: UnitCall, option: str, runner: StepRunner, *,
         del leaf
         forward.root_grad = None
         trained = frozenset(id(p) for p in runner.params if p.grad is not None)
-        clear_grads(runner.params)
+        clear_replay_grads(call, runner)
     # Read once the region has ended: the allocator's view is complete then.
     return _option_figures(meter, begin, forward, ready, input_grad=input_grad,
                            trained=trained)
@@ -529,7 +546,6 @@ def time_unit(
     rounds. Samples are added to ``samples`` when given
     (twin units pool theirs), else to new ones.
     """
-    params = runner.params
     samples = samples if samples is not None else TimingSamples(tuple(options))
     limit = max_rounds if max_rounds is not None else repeats
     taken = 0
@@ -547,13 +563,13 @@ def time_unit(
                 f_ms, b_ms = _timed_replay(call, option, runner, watch,
                                            verify=round_ == 0 and option == Option.DERIVE.value)
             except Exception as err:
-                clear_grads(params)
+                clear_replay_grads(call, runner)
                 raise OptionRunFailed(option, err) from err
             if round_ >= warmup:
                 samples.add(option, f_ms, b_ms)
         if round_ >= warmup:
             taken += 1
-    clear_grads(params)
+    clear_replay_grads(call, runner)
     return samples
 
 

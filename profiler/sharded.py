@@ -9,7 +9,11 @@ post-forward hook reshards it after (the replays run inside that window, on the
 unit's gathered parameters, and call the unit's ``forward`` itself, so FSDP2's hooks
 do not run again); the parameter snapshots are of the DTensor parameters, whose
 storage is this rank's local shard. Every rank runs the same passes in the same order,
-so the collectives of FSDP2's hooks match.
+so the collectives of FSDP2's hooks match. What a rank decides on its own bytes (whether
+a twin is measured on its own, an option dropped) changes only its replays, which issue
+no collective and leave no gradient on the gathered parameters
+(:func:`~.replay.clear_replay_grads`): one left there was reduce-scattered by the next
+step, on that rank alone, and hung a CI run (2026-11-28).
 
 What the passes measure of the units is each rank's activations on its own
 micro-batch; what they cannot see is FSDP2's own memory around each unit, which the

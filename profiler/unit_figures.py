@@ -41,7 +41,6 @@ from remat.core.errors import DeviceMemoryError, ProfileError
 from remat.core.option import Option
 from remat.execute.derive import DeriveFreesNothing, DeriveMismatch
 from remat.measurement.runner import StepRunner
-from remat.measurement.state import clear_grads
 from remat.measurement.timing import Stopwatch
 from remat.profiler.progress import Progress
 from remat.profiler.recomputed import checkpoint_figures
@@ -51,6 +50,7 @@ from remat.profiler.replay import (
     OptionFailure,
     OptionRunFailed,
     TimingSamples,
+    clear_replay_grads,
     measure_forward,
     measure_option,
     time_unit,
@@ -100,11 +100,8 @@ class UnitMeasurer:
     watch: Stopwatch
     policy: TimingPolicy
     bar: Progress
-    # What a region recomputing the unit holds beside its forward (:mod:`.recomputed`),
-    # and whether checkpoint's backward may be composed at all (not on a rank of a
-    # distributed run: there the replays' windows hold FSDP2's and gloo's buffers).
+    # What a region recomputing the unit holds beside its forward (:mod:`.recomputed`).
     recompute_stash: Callable[[torch.nn.Module], int] = lambda _module: 0
-    compose_checkpoint: bool = True
     needs_bytes: Callable[[str], int] = lambda _name: 0
     recorded: Callable[[str], Hashable] = lambda _name: None
     figures: dict[str, dict[str, OptionFigures]] = field(default_factory=dict)
@@ -245,7 +242,7 @@ class UnitMeasurer:
                 self._drop(call, option, err)
         if ckpt in asked:
             keep = figures.get(Option.KEEP.value, keep)
-            recomputes = (self.compose_checkpoint and keep is not None
+            recomputes = (keep is not None
                           and keep.recompute_start_bytes is not None
                           and keep.recompute_peak_bytes is not None
                           and Option.SELECTIVE.value in figures)
@@ -260,7 +257,7 @@ class UnitMeasurer:
 
     def _drop(self, call: UnitCall, option: str, err: BaseException) -> None:
         """``option`` cannot run on ``call``'s unit: one log line and a failure recorded."""
-        clear_grads(self.runner.params)
+        clear_replay_grads(call, self.runner)
         failure = OptionFailure.of(option, err)
         log.warning("unit %r: option %r dropped, it cannot run on this unit: %s",
                     call.name, option, failure.reason)
@@ -272,7 +269,7 @@ class UnitMeasurer:
         try:
             return replay()
         except torch.OutOfMemoryError as err:
-            clear_grads(self.runner.params)
+            clear_replay_grads(call, self.runner)
             needs = self.needs_bytes(call.name)
             raise DeviceMemoryError(
                 f"unit {call.name!r} does not fit on the device even alone: its replay ran "

@@ -10,8 +10,6 @@ and the forward's tail after its last save.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from torch import nn
@@ -150,18 +148,8 @@ def test_a_unit_selective_cannot_run_is_metered_in_full(composed) -> None:
     assert all(CKPT in u.options for u in prof.units)
 
 
-def test_a_rank_of_a_distributed_run_meters_checkpoint_in_full(monkeypatch, composed) -> None:
-    """On a rank, replays run inside FSDP2's windows and beside gloo's buffers, which the
-    composition does not see as a full replay does: no forward-only replay there."""
-    # As on a rank (a process group of one would do, at the cost of a gloo store).
-    monkeypatch.setattr(importlib.import_module("remat.profiler.profile"), "_distributed",
-                        lambda: True)
-    prof = _bn_dropout_profile()
-    assert composed == []
-    assert all(CKPT in u.options for u in prof.units)
-
-
 def test_a_single_process_composes_checkpoint(composed) -> None:
-    """The two tests above can fail: the same model, on one process, composes."""
+    """The test above can fail: the same model, with selective among the options, composes
+    (a rank of an FSDP2 run composes too: ``tests/test_fsdp_collective.py``)."""
     _bn_dropout_profile()
     assert composed
