@@ -76,6 +76,7 @@ from remat.core.profile import Profile
 from remat.execute.head import HeadSite
 from remat.execute.options import recompute_snapshot_bytes
 from remat.execute.planned import has_plan
+from remat.execute.sharding import sharded_inside
 from remat.measurement.meter import MemoryMeter
 from remat.measurement.runner import LossFn, StepRunner, call_model, model_device
 from remat.measurement.state import ModelState, clear_grads, training_session
@@ -436,9 +437,24 @@ def _units_pass(run: _Profiling, units: UnitsSpec, given: list[tuple[str, nn.Mod
     run.state.rng.restore()
     run.state.restore_buffers()
     choice = choose(run.model, record, units, given, level)
+    _check_no_shard_inside(choice.units)
     recorded = {name: (call.ops, record.saved_inside(call.index))
                 for name in choice.names if (call := record.call(name)) is not None}
     return _UnitsFound(choice, record.ops_between(choice.names), recorded)
+
+
+def _check_no_shard_inside(units: list[tuple[str, nn.Module]]) -> None:
+    """Refuse a unit holding a module FSDP2 shards on its own (:func:`sharded_inside`):
+    every rank refuses at the same unit, after the same collectives."""
+    for name, module in units:
+        if inner := sharded_inside(module):
+            raise ProfileError(
+                f"unit {name!r} holds {name + '.' + inner[0]!r}, which FSDP2 shards on its own "
+                f"({len(inner)} such module(s) inside it): remat replays a unit inside "
+                "FSDP2's window of its gathered parameters and calls its forward itself, so "
+                "that module would run on its shards and issue its own collectives. Shard "
+                "each block as a whole (fully_shard(block), then fully_shard(model)) with "
+                "nothing inside a block sharded apart")
 
 
 def _capture_pass(run: _Profiling, found: _UnitsFound) -> tuple[UnitTrace, UnitMeasurer]:

@@ -270,6 +270,35 @@ def test_a_plan_for_two_ranks_is_refused_on_one() -> None:
         remat.apply_plan(ref.model, plan)
 
 
+@pytest.mark.parametrize("block_sharded", [True, False], ids=["inside-a-sharded-block",
+                                                                  "block-not-sharded"])
+def test_a_unit_holding_a_module_sharded_apart_is_refused_by_name(monkeypatch,
+                                                                   block_sharded: bool) -> None:
+    # A replay of the block would run the inner module on its shards (a DTensor error from
+    # deep inside a replay, 2026-11-28) and issue its collectives: refused, on every rank
+    # at the same unit. FSDP2's class stood in for by a marker, so no process group.
+    import remat.execute.sharding as sharding
+    from remat.core.errors import ProfileError
+    from remat.models import build
+    from remat.profiler import profile_levels
+
+    class Sharded(torch.nn.Module):  # what fully_shard makes a module an instance of
+        pass
+
+    ref = build("gpt", size="tiny", depth=2, width=32, seq_len=16, batch_size=2)
+    apart = [ref.model.blocks[1].mlp, *(ref.model.blocks if block_sharded else [])]
+    made: dict[type, type] = {}  # one class per class, as fully_shard makes (blocks alike)
+    for module in apart:
+        cls = type(module)
+        module.__class__ = made.setdefault(cls, type(f"Sharded{cls.__name__}", (cls, Sharded),
+                                                     {}))
+    monkeypatch.setattr(sharding, "_fsdp_module_class", lambda: Sharded)
+    assert sharding.sharded_inside(ref.model.blocks[1]) == ["mlp"]
+    with pytest.raises(ProfileError, match=r"unit 'blocks.1' holds 'blocks.1.mlp', which "
+                                           r"FSDP2 shards on its own"):
+        profile_levels(ref.model, ref.batch, progress=False)
+
+
 def test_the_ranks_compare_every_profiling_setting() -> None:
     # Read from the fields: a setting added to ProfilingSettings is compared across ranks
     # without a change to remat.tune.sharded (ranks timing with other warmup, repeats or

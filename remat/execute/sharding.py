@@ -16,7 +16,8 @@ from torch import nn
 from remat.core.errors import PlanMismatchError
 from remat.core.plan import Plan
 
-__all__ = ["ShardedUnit", "check_world_size", "is_sharded", "sharded_unit", "world_size"]
+__all__ = ["ShardedUnit", "check_world_size", "is_sharded", "sharded_inside", "sharded_unit",
+           "world_size"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -33,6 +34,21 @@ def is_sharded(model: nn.Module) -> bool:
     # Not a module: not sharded (the caller's own checks name what it is).
     return (cls is not None and isinstance(model, nn.Module)
             and any(isinstance(m, cls) for m in model.modules()))
+
+
+def sharded_inside(module: nn.Module) -> list[str]:
+    """The modules strictly inside ``module`` that FSDP2 shards on their own
+    (``fully_shard``-ed), by name relative to it, in module order; empty where none.
+
+    The profiler replays a unit inside FSDP2's window of the unit's gathered parameters,
+    calling its ``forward`` itself; a module inside it that FSDP2 shards apart (an MoE's
+    experts in torchtitan's expert-parallel recipe, or a block's attention and MLP sharded
+    and the block not) keeps its own window, so a replay would run it on its shards and
+    issue its collectives."""
+    cls = _fsdp_module_class()
+    if cls is None:
+        return []
+    return [name for name, m in module.named_modules() if name and isinstance(m, cls)]
 
 
 def _local_bytes(p: nn.Parameter) -> int:
