@@ -42,6 +42,7 @@ from remat.execute.head import (
     most_chunks,
     watching_head_loss,
 )
+from remat.execute.sharding import refusal_on_every_rank
 from remat.execute.structure import unit_signature
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import ModelState
@@ -71,6 +72,9 @@ def _checked(setting: str, runner: StepRunner, site: HeadSite,
         # Known limit: a budget only a chunked head reaches is then infeasible here.
         check = HeadCheck("its check on one example (the step as written, unplanned) does "
                           f"not fit the device ({' '.join(str(err).split())[:160]})")
+    agreed = refusal_on_every_rank(runner.model, check.refusal)
+    if agreed != check.refusal:
+        check = replace(check, refusal=agreed)
     if check.refusal is None:
         log.info("remat: the head %r chunked gives the same loss and gradients on one example "
                  "(loss %.6g as written, %.6g chunked; gradients within %.2g)", site.name,

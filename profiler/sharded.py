@@ -22,10 +22,13 @@ the model (:mod:`remat.execute.sharding`):
 
 * a unit's gradients stay as this rank's shard after its reduce-scatter (the replays'
   unsharded gradients are in their backward's peak, and so counted while they live);
-* its forward holds its gathered parameters (to its backward, where it does not
-  reshard after the forward); its backward holds them gathered again, their
-  reduce-scatter copy, the previous unit's prefetched parameters and the next unit's
-  reduce-scatter buffer not yet reclaimed;
+* its forward holds its gathered parameters, every one (FSDP2 all-gathers frozen
+  parameters too: a peft LoRA model's base weights, counted from 2026-11-28; before,
+  the trainable ones alone, 8 MiB of 50 short on one rank of a LoRA Qwen2), to its
+  backward where it does not reshard after the forward; its backward holds them
+  gathered again, the reduce-scatter copy of its trainable parameters' gradients, the
+  previous unit's prefetched parameters and the next unit's reduce-scatter buffer not
+  yet reclaimed;
 * :data:`IN_FLIGHT` units' gathered parameters are counted alive through the forward
   and the backward: FSDP2's asynchronous collectives let buffers of other units
   outlive the hooks that made them, by a varying amount from step to step. One unit
@@ -71,6 +74,20 @@ spread 5%), but with ``keep 2, checkpoint 6`` one rank's step still ranged 12.12
 12.92 MB over 6 runs with 0 to 4 blocks left to the address bound: allocations made and
 freed on the record, gloo's and FSDP2's buffers alive for a longer or shorter time as
 the ranks' threads interleave.
+Event by event, in live bytes (2026-11-28: ``benchmarks/fsdp.py``'s Llama on 4 ranks,
+``reshard_after_forward=True``, two plans, the simulated events against each phase's
+peak in a real step; scratch ``phase_peaks.py``), the prediction less :data:`IN_FLIGHT`
+units is exact in every unit's backward (to 0.01 MiB), 1.0 to 1.6 units low in a unit's
+forward (FSDP2's all-gather buffer, alive beside the gathered parameters while they are
+copied out, is not counted there), 2.0 units high in the suffix's backward and 1.3 in
+the prefix's forward (the outside step's figures hold the root's parameters, gathered
+again at the start of the backward, which ``root`` below holds too: a root given
+``reshard_after_forward=True`` reshards after its forward in torch 2.13; left unset, it
+keeps them). :data:`IN_FLIGHT` covers the forward's
+shortfall; a model exact event by event would lower plans that peak in the suffix's
+backward (those that keep every unit) by up to 2 units, and is not written yet: moving a
+unit's marks around FSDP2's hooks in the outside step (tried) moved the all-gather out of
+the prefix without making the other events exact.
 The other candidates measured as counted: the root's parameters are alive from the
 forward to the end of the backward; ``2 * gathered`` in a backward is the
 unit's gradients (in the replays' peak), its reduce-scatter input and gloo's second
@@ -150,20 +167,20 @@ def _holding(part: OutsideCost, nbytes: int) -> OutsideCost:
 
 
 def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int) -> OptionCost:
-    """One option's cost of unit ``i`` with FSDP2's buffers around it."""
+    """One option's cost of unit ``i`` with FSDP2's buffers around it: parameters gathered
+    (every one, frozen included) and gradient-sized buffers (its trainable parameters')."""
     own = figures[i]
     prefetched = figures[i - 1].gathered_bytes if i > 0 else 0
-    lingering = figures[i + 1].gathered_bytes if i + 1 < len(figures) else 0
-    gathered = own.gathered_bytes
+    lingering = figures[i + 1].grad_bytes if i + 1 < len(figures) else 0
     if own.reshard_after_forward:
         # Gathered for the forward, gathered again for the backward (with its
         # reduce-scatter copy, the prefetch, the unreclaimed buffer after it).
         return dataclasses.replace(
-            cost, fwd_peak_bytes=cost.fwd_peak_bytes + gathered,
-            bwd_peak_bytes=cost.bwd_peak_bytes + 2 * gathered
+            cost, fwd_peak_bytes=cost.fwd_peak_bytes + own.gathered_bytes,
+            bwd_peak_bytes=cost.bwd_peak_bytes + own.gathered_bytes + own.grad_bytes
             + prefetched + lingering)
     # Kept gathered from the forward to the end of the backward: held, not re-gathered.
     return dataclasses.replace(
-        cost, held_bytes=cost.held_bytes + gathered,
-        fwd_peak_bytes=cost.fwd_peak_bytes + gathered,
-        bwd_peak_bytes=cost.bwd_peak_bytes + gathered + lingering)
+        cost, held_bytes=cost.held_bytes + own.gathered_bytes,
+        fwd_peak_bytes=cost.fwd_peak_bytes + own.gathered_bytes,
+        bwd_peak_bytes=cost.bwd_peak_bytes + own.grad_bytes + lingering)

@@ -13,6 +13,8 @@ loss and gradients (to float tolerance: the loss over chunks sums in another ord
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,3 +93,35 @@ def _check_chunked_head_under_fsdp(rank: int) -> None:
 def test_the_chunked_head_plans_an_fsdp2_model_below_the_head_as_written(
         free_port: int) -> None:
     _spawn(_check_chunked_head_under_fsdp, free_port)
+
+
+def _check_ranks_that_judge_the_head_apart(rank: int) -> None:
+    import remat
+    from remat.profiler import head_check
+
+    model, batch = _sharded()
+    batch = {k: v.roll(rank, 0) for k, v in batch.items()}
+    if rank == 1:
+        # The check on each rank's own example: a refusal on one rank only (a loss
+        # tolerance met on one micro-batch and not on another) must not leave the ranks
+        # measuring different head variants, whose steps run different collectives.
+        real = head_check.check_head_rewrite
+
+        def refuse(*args: object, **kwargs: object) -> head_check.HeadCheck:
+            # The check's own steps run (their collectives), its outcome a refusal.
+            return dataclasses.replace(real(*args, **kwargs),
+                                       refusal="refused on this rank for the test")
+
+        head_check.check_head_rewrite = refuse
+        import remat.profiler.heads as heads
+
+        heads.check_head_rewrite = refuse
+    prof = remat.profile(model, batch, loop=remat.Loop(keep_output=False), options=OPTIONS)
+    assert prof.head is None, "the head refused on one rank is refused on every rank"
+    assert "rank 1" in prof.meta["head_not_chunked"] and "refused on this rank" in \
+        prof.meta["head_not_chunked"], prof.meta.get("head_not_chunked")
+
+
+@pytest.mark.slow
+def test_a_head_refused_on_one_rank_is_refused_on_every_rank(free_port: int) -> None:
+    _spawn(_check_ranks_that_judge_the_head_apart, free_port)

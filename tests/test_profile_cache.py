@@ -320,3 +320,19 @@ def test_a_head_setting_a_profile_cannot_honour_is_refused(head_profile: remat.P
     headless = dataclasses.replace(head_profile, head=None)
     with pytest.raises(ProfileError, match=r"head='chunked'.*profile with head='chunked'"):
         remat.solve(headless, "100%", head="chunked")
+
+
+def test_the_worst_ranks_profile_chunks_a_head_only_where_every_rank_checked_it(
+        head_profile: remat.Profile) -> None:
+    from remat.tune.ranks import worst_profile
+
+    refused = dataclasses.replace(head_profile, head=None, meta={
+        **head_profile.meta, "head_not_chunked": "the loss changes with the head chunked"})
+    for profiles in ([head_profile, refused], [refused, head_profile]):
+        merged = worst_profile(profiles)
+        assert merged.head is None
+        assert merged.meta["head_not_chunked"].endswith("the loss changes with the head "
+                                                        "chunked")
+        assert remat.solve(merged, "100%").head is None
+    assert worst_profile([head_profile, head_profile]).head == head_profile.head
+    assert worst_profile([head_profile, refused]).meta["head_not_chunked"].startswith("rank 1:")

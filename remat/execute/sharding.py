@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from remat.core.errors import PlanMismatchError
 from remat.core.plan import Plan
 
-__all__ = ["ShardedUnit", "check_world_size", "is_sharded", "sharded_inside", "sharded_unit",
-           "world_size"]
+__all__ = ["ShardedUnit", "check_world_size", "is_sharded", "refusal_on_every_rank",
+           "sharded_inside", "sharded_unit", "world_size"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -51,6 +52,28 @@ def sharded_inside(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if name and isinstance(m, cls)]
 
 
+def refusal_on_every_rank(model: nn.Module, refusal: str | None) -> str | None:
+    """On a model FSDP2 shards, with more than one rank: the first rank's refusal of those
+    that gave one, named by rank (``"rank 1: ..."``), or ``None`` where none did; the same
+    answer on every rank. Elsewhere ``refusal`` as it is.
+
+    A check each rank runs on its own micro-batch (the chunked head's) can pass on one rank
+    and refuse on another; the ranks would then go on to measure different variants,
+    whose steps issue different collectives (a gloo rank aborted on the mismatch). One
+    ``all_gather_object`` over the default group, which every rank of a sharded
+    ``remat.profile`` calls: its cost is one small collective per check."""
+    if not is_sharded(model):
+        return refusal
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return refusal
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, refusal)
+    return next((f"rank {rank}: {text}" for rank, text in enumerate(found) if text is not None),
+                None)
+
+
 def _local_bytes(p: nn.Parameter) -> int:
     local = p.to_local() if hasattr(p, "to_local") else p
     return local.numel() * local.element_size()
@@ -72,15 +95,21 @@ class ShardedUnit:
 
     Attributes:
         gathered_bytes: its parameters all-gathered (unsharded), as FSDP2 holds them
-            between its unshard and reshard (0 where the module is no ``fully_shard``-ed
+            between its unshard and reshard: every parameter, frozen ones included (a
+            LoRA model's base weights are all-gathered as its adapters are), in the
+            dtype they are gathered in (0 where the module is no ``fully_shard``-ed
             module of its own: its parameters belong to an enclosing one).
-        shard_bytes: this rank's local shards of its parameters (what its sharded
-            gradients take, too).
+        grad_bytes: the unsharded gradients of its trainable parameters, which its
+            reduce-scatter takes as input (0 likewise; ``gathered_bytes`` where every
+            parameter is trainable and gathered in its own dtype).
+        shard_bytes: this rank's local shards of its trainable parameters (what its
+            sharded gradients take).
         reshard_after_forward: whether FSDP2 frees the gathered parameters after the
             forward (and all-gathers them again for the backward).
     """
 
     gathered_bytes: int
+    grad_bytes: int
     shard_bytes: int
     reshard_after_forward: bool = True
 
@@ -89,10 +118,33 @@ def sharded_unit(module: nn.Module) -> ShardedUnit:
     """``module``'s :class:`ShardedUnit` (its own parameters, all of its submodules')."""
     cls = _fsdp_module_class()
     own = cls is not None and isinstance(module, cls)
-    params = [p for p in module.parameters() if p.requires_grad]
-    gathered = sum(p.numel() * p.element_size() for p in params) if own else 0
-    shard = sum(_local_bytes(p) for p in params)
-    return ShardedUnit(gathered, shard, _reshards_after_forward(module) if own else True)
+    params = list(module.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    shard = sum(_local_bytes(p) for p in trainable)
+    if not own:
+        return ShardedUnit(0, 0, shard, True)
+    # Found 2026-11-28 (peft LoRA on Qwen2 under FSDP2): counting the trainable
+    # parameters alone left the frozen base weights FSDP2 all-gathers out of every
+    # prediction, 8 MiB (27%) below the measured step on one rank.
+    gathered = sum(_gathered_bytes(p, module) for p in params)
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    return ShardedUnit(gathered, grads, shard, _reshards_after_forward(module))
+
+
+def _gathered_bytes(p: nn.Parameter, module: nn.Module) -> int:
+    """``p`` unsharded, in the dtype FSDP2 all-gathers it in (its mixed-precision policy's
+    ``param_dtype`` where one is set)."""
+    dtype = _param_dtype(module) or p.dtype
+    return p.numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _param_dtype(module: nn.Module) -> torch.dtype | None:
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    except AttributeError:
+        return None
+    policy = getattr(group, "mp_policy", None)
+    return getattr(policy, "param_dtype", None)
 
 
 def _reshards_after_forward(module: nn.Module) -> bool:

@@ -28,7 +28,9 @@ parameters). Where a dispatch-level meter runs beside the timeline, it saw the s
 die, on whichever thread: the block is freed then (:mod:`remat.measurement.deaths`).
 Otherwise a block cannot be handed out again before it is freed, so an allocation at an
 address still live by the record frees the earlier block first
-(:func:`unrecorded_frees_closed`): the latest time it can have gone.
+(:func:`unrecorded_frees_closed`): the latest time it can have gone. (Profiling every
+thread, ``_ExperimentalConfig(profile_all_threads=True)`` in torch 2.13, records the
+other threads' ops but no memory event on any thread: tried, no help.)
 """
 
 from __future__ import annotations

@@ -183,11 +183,20 @@ def _worst(values: Sequence[Any]) -> Any:
 def worst_profile(profiles: Sequence[Profile]) -> Profile:
     """One profile whose every byte and time figure is the largest of ``profiles``' (each
     rank's step): a plan within a budget for it is within it on every rank. Names, the
-    loop and ``meta`` are the first profile's."""
+    loop and ``meta`` are the first profile's; the head is chunked only where every rank's
+    profile has it (else ``meta["head_not_chunked"]`` names the first rank without)."""
     if len(profiles) == 1:
         return profiles[0]
     merged = _worst(list(profiles))
-    return dataclasses.replace(merged, meta=dict(profiles[0].meta), loop=profiles[0].loop)
+    meta = dict(profiles[0].meta)
+    refused = next((rank for rank, p in enumerate(profiles) if p.head is None), None)
+    if merged.head is not None and refused is not None:
+        # A head not chunked on one rank (its check refused the rewrite on that rank's
+        # micro-batch) is chunked on none: a plan must not rewrite a loss unchecked there.
+        why = profiles[refused].meta.get("head_not_chunked", "its head was not measured")
+        merged = dataclasses.replace(merged, head=None)
+        meta["head_not_chunked"] = f"rank {refused}: {why}"
+    return dataclasses.replace(merged, meta=meta, loop=profiles[0].loop)
 
 
 def gather_profiles(prof: Profile, group: Any = None) -> list[Profile]:
