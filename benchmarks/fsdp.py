@@ -32,7 +32,6 @@ import dataclasses
 import datetime as dt
 import itertools
 import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -42,8 +41,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see peers.p
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from _common import RESULTS, machine_line, markdown_table, write_result  # noqa: E402
+from _ranks import on_gloo_ranks  # noqa: E402
 
 FRACTIONS = (0.0, 1 / 3, 2 / 3, 1.0)  # budgets between the smallest feasible peak and none
 # name -> (remat.models.build arguments, the attribute path of the blocks)
@@ -206,38 +205,15 @@ def _rank_rows(rank: int, world: int, name: str, reshard: bool, runs: int) -> li
     return rows
 
 
-def _worker(rank: int, world: int, port: int, runs: int, out: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        rows = [row for name in MODELS for reshard in (True, False)
-                for row in _rank_rows(rank, world, name, reshard, runs)]
-        if rank == 0:
-            out.put(rows)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # as the tests: no C++ static destructors (gloo threads at exit)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _all_rows(rank: int, world: int, runs: int) -> list[Row]:
+    """Every model's rows on this rank (rank 0's are handed back)."""
+    return [row for name in MODELS for reshard in (True, False)
+            for row in _rank_rows(rank, world, name, reshard, runs)]
 
 
 def measure_ranks(world: int, runs: int) -> list[Row]:
     """Spawn ``world`` gloo ranks; rank 0 hands back every row."""
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(world, _free_port(), runs, out), nprocs=world,
-                               join=False, start_method="spawn")
-    rows = out.get()
-    procs.join()
-    return rows
+    return on_gloo_ranks(_all_rows, world, runs)
 
 
 # --------------------------------------------------------------------------- unsharded

@@ -223,3 +223,31 @@ def test_model_checkpointing_turned_on_later_is_refused(tmp_path: Path) -> None:
     model.gradient_checkpointing_enable()
     with pytest.raises(IntegrationError, match="gradient_checkpointing"):
         trainer.train()
+
+
+def test_a_mixtral_trains_bitwise_as_before_after_solve() -> None:
+    # transformers installs its output-capturing hooks on a model's first call and marks
+    # that with an attribute: solve() put back the mark but not the hooks, so the next
+    # call hooked every router again and captured its logits more than once (on a larger
+    # Mixtral the load-balancing loss moved and every gradient differed, no plan applied).
+    import copy
+
+    import transformers
+
+    import remat
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
+    model = transformers.MixtralForCausalLM(config).train()
+    untouched = copy.deepcopy(model)
+    ids = torch.randint(0, 512, (2, 32))
+    remat.solve(model, {"input_ids": ids, "labels": ids}, memory_budget=None)
+    for m in (model, untouched):
+        out = m(input_ids=ids, labels=ids)
+        assert len(out.router_logits) == config.num_hidden_layers  # each router's, once
+        out.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), untouched.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name

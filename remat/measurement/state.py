@@ -10,11 +10,12 @@ exactly as they were.
 A forward can also *rebind* state rather than write into it: ``self.ema = 0.9 *
 self.ema + ...`` replaces the module's ``_buffers`` entry with a new tensor, and
 ``self.calls += 1`` rebinds a plain attribute. Every submodule's ``__dict__`` is
-therefore snapshotted by identity (its attributes and its ``_parameters``,
-``_buffers`` and ``_modules`` entries) and put back: attributes the steps added are
-removed, rebound ones get their old objects back. Objects changed *in place* other
-than parameters and buffers (a list attribute appended to) are not copied, so they
-are not restored.
+therefore snapshotted by identity (its attributes, its ``_parameters``, ``_buffers``
+and ``_modules`` entries and its forward and backward hooks) and put back: attributes
+and hooks the steps added are removed, rebound ones get their old objects back.
+Objects changed *in place* other than parameters and buffers (a list attribute appended
+to) are not copied, so they are not restored; nor are state-dict hooks (``_HOOK_DICTS``
+says why).
 
 Lazy modules (``nn.LazyLinear`` before its first forward) are refused: a measured
 step would create their parameters, which the model would keep (and an optimizer
@@ -79,6 +80,17 @@ class RngState:
 
 _MISSING = object()
 _ENTRY_DICTS = ("_parameters", "_buffers", "_modules")
+# The hooks that run in a step, put back with the attributes: a library that installs
+# them on its first call and marks that with an attribute (``transformers``' output
+# capturing: ``_output_capturing_hooks_installed``) found its mark removed and its hooks
+# left, installed them again on the next call, and captured each MoE router's logits
+# three times (its load-balancing loss and gradients changed in the last bits; a loss
+# that sums what it captured would have tripled its term). Found 2026-11-28. State-dict
+# hooks are not put back: FSDP2 registers its own on its first forward and marks that
+# in its own state, not the module's, so removing them would lose them for good.
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks")
 
 
 @dataclass
@@ -92,7 +104,8 @@ class _ModuleDict:
     @classmethod
     def capture(cls, module: nn.Module) -> _ModuleDict:
         d = module.__dict__
-        entries = {key: dict(d[key]) for key in _ENTRY_DICTS if isinstance(d.get(key), dict)}
+        entries = {key: dict(d[key]) for key in _ENTRY_DICTS + _HOOK_DICTS
+                   if isinstance(d.get(key), dict)}
         return cls(module, dict(d), entries)
 
     def restore_entries(self, keys: tuple[str, ...] = _ENTRY_DICTS) -> None:
@@ -114,7 +127,7 @@ class _ModuleDict:
         for key, value in self.attrs.items():
             if d.get(key, _MISSING) is not value:
                 d[key] = value
-        self.restore_entries()
+        self.restore_entries(_ENTRY_DICTS + _HOOK_DICTS)
 
 
 def clear_grads(params: list[nn.Parameter]) -> None:

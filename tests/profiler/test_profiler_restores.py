@@ -133,3 +133,36 @@ def test_a_lazy_model_after_one_forward_profiles() -> None:
         model(X)
     assert type(model[0]) is nn.Linear
     assert profile(model, X, loss_fn=loss_fn, units=["0", "2"]).n == 2
+
+
+class HookedOnFirstCall(nn.Module):
+    """Installs a forward hook on its blocks on its first call and marks that with an
+    attribute, as ``transformers``' output capturing does; the hook collects each block's
+    output for a second loss term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.collected: list[Tensor] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not getattr(self, "_hooks_installed", False):
+            for block in self.blocks:
+                block.register_forward_hook(lambda m, a, out: self.collected.append(out))
+            self._hooks_installed = True
+        self.collected.clear()
+        out = self.blocks(x)
+        return out + sum(c.mean() for c in self.collected)
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_hooks_installed_in_a_step_go_with_the_attribute_that_marks_them(entry: str) -> None:
+    # Before: the mark was removed and the hooks stayed, so the next call installed them
+    # again, collected every output twice and changed the loss.
+    torch.manual_seed(0)
+    model = HookedOnFirstCall()
+    ENTRY_POINTS[entry](model)
+    assert all(not b._forward_hooks for b in model.blocks)
+    model(X)
+    assert len(model.collected) == 2
+    assert all(len(b._forward_hooks) == 1 for b in model.blocks)
