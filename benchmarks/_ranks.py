@@ -26,6 +26,11 @@ def on_gloo_ranks(fn: Callable[..., Any], world: int, *args: Any) -> Any:
     out = ctx.SimpleQueue()
     procs = mp.start_processes(_worker, args=(world, _free_port(), fn, args, out),
                                nprocs=world, join=False, start_method="spawn")
+    while out.empty():
+        # A rank that raised ends the wait with its traceback (join raises it) instead of
+        # leaving this process waiting for an answer that will not come.
+        if procs.join(timeout=1):
+            raise RuntimeError("the ranks ended without handing back an answer")
     result = out.get()
     procs.join()
     return result

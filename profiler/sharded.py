@@ -29,17 +29,19 @@ the model (:mod:`remat.execute.sharding`):
   gathered again, the reduce-scatter copy of its trainable parameters' gradients, the
   previous unit's prefetched parameters and the next unit's reduce-scatter buffer not
   yet reclaimed;
-* :data:`IN_FLIGHT` units' gathered parameters are counted alive through the forward
-  and the backward: FSDP2's asynchronous collectives let buffers of other units
-  outlive the hooks that made them, by a varying amount from step to step. One unit
-  covered every run on a quiet machine; on a loaded one (the test suite beside other
-  work, 2026-11-25) steps measured one unit more than that, 200 KB over the prediction
-  and 0.5% over a budget at the smallest feasible peak, so two were counted; once the
-  meter stopped counting a collective's output, which is its output argument, as new
-  bytes a second time (c10d works in place), the allocator's worst run on 2 gloo ranks
-  was 1.1% over a prediction with two (gloo's own buffers of a collective, which no
-  dispatch-level meter sees), and on 4 ranks a third unit was alive at one plan's
-  peak: three are counted. A promise must hold when the machine is busy too.
+* :data:`IN_FLIGHT` units' gathered parameters (or their reduce-scatter input where that
+  is larger: a ``MixedPrecisionPolicy`` gathers in bf16 and reduces in fp32) are counted
+  alive through the forward and the backward: FSDP2's asynchronous collectives let
+  buffers of other units outlive the hooks that made them, by a varying amount from step
+  to step. One unit covered every run on a quiet machine; on a loaded one (the test
+  suite beside other work, 2026-11-25) steps measured one unit more than that, 200 KB
+  over the prediction and 0.5% over a budget at the smallest feasible peak, so two were
+  counted; once the meter stopped counting a collective's output, which is its output
+  argument, as new bytes a second time (c10d works in place), the allocator's worst run
+  on 2 gloo ranks was 1.1% over a prediction with two (gloo's own buffers of a
+  collective, which no dispatch-level meter sees), and on 4 ranks a third unit was alive
+  at one plan's peak: three are counted. A promise must hold when the machine is busy
+  too.
 
 What is alive at a measured peak (issue 32, 2026-11-25; the allocator's events read
 with the ``record_function`` scope each block was allocated in, GPT of 8 blocks of 128,
@@ -135,7 +137,11 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
     except AttributeError as err:
         raise ProfileError(f"the profile's units are not the model's: {err}") from None
     gathered = [f.gathered_bytes for f in figures]
-    in_flight = IN_FLIGHT * max(gathered, default=0)
+    # A buffer in flight is an all-gather output or a reduce-scatter input: the larger of
+    # a unit's two (they differ under a mixed-precision policy, which gathers in bf16 and
+    # reduces in fp32, and for frozen parameters, which are gathered and not reduced).
+    in_flight = IN_FLIGHT * max((max(f.gathered_bytes, f.grad_bytes) for f in figures),
+                                default=0)
     # The root's own parameters (embeddings, the head: in no unit) are gathered by its
     # pre-forward, which runs before the outside step's first mark, and stay gathered to
     # its post-forward, which encloses the whole forward; its pre-backward, at the start

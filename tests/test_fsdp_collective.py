@@ -205,6 +205,39 @@ def test_frozen_parameters_fsdp2_gathers_are_counted(free_port: int) -> None:
     _spawn(_check_frozen_parameters_counted, free_port)
 
 
+def _check_mixed_precision_figures(rank: int) -> None:
+    # What FSDP2 gathers and reduce-scatters, in bytes, read off the model: a
+    # MixedPrecisionPolicy gathers in param_dtype and reduces in reduce_dtype; frozen
+    # parameters are gathered, not reduced. The in-flight buffers are sized by the larger.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from remat.execute.sharding import sharded_unit
+
+    def block() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+
+    n = sum(p.numel() for p in block().parameters())
+    plain, mixed, frozen = block(), block(), block()
+    fully_shard(plain)
+    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                      reduce_dtype=torch.float32))
+    frozen[0].requires_grad_(False)
+    fully_shard(frozen)
+    half = sum(p.numel() for p in frozen[1].parameters())
+    figures = {name: sharded_unit(m) for name, m in
+               (("plain", plain), ("mixed", mixed), ("frozen", frozen))}
+    assert (figures["plain"].gathered_bytes, figures["plain"].grad_bytes) == (4 * n, 4 * n)
+    assert (figures["mixed"].gathered_bytes, figures["mixed"].grad_bytes) == (2 * n, 4 * n)
+    assert (figures["frozen"].gathered_bytes, figures["frozen"].grad_bytes) == (4 * n,
+                                                                                4 * half)
+    assert figures["frozen"].shard_bytes == 4 * half // WORLD
+
+
+def test_what_fsdp2_gathers_and_reduces_is_counted_in_its_dtypes(free_port: int) -> None:
+    _spawn(_check_mixed_precision_figures, free_port)
+
+
 def _check_twins_decided_apart(rank: int) -> None:
     # Whether the second of a group of twins matches the first is each rank's own decision,
     # on bytes FSDP2's and gloo's buffers make vary by rank. Rank 1 here decides that every

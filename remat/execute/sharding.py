@@ -100,8 +100,9 @@ class ShardedUnit:
             dtype they are gathered in (0 where the module is no ``fully_shard``-ed
             module of its own: its parameters belong to an enclosing one).
         grad_bytes: the unsharded gradients of its trainable parameters, which its
-            reduce-scatter takes as input (0 likewise; ``gathered_bytes`` where every
-            parameter is trainable and gathered in its own dtype).
+            reduce-scatter takes as input, in the dtype it reduces in (0 likewise;
+            ``gathered_bytes`` where every parameter trains and no mixed-precision
+            policy is set).
         shard_bytes: this rank's local shards of its trainable parameters (what its
             sharded gradients take).
         reshard_after_forward: whether FSDP2 frees the gathered parameters after the
@@ -126,25 +127,29 @@ def sharded_unit(module: nn.Module) -> ShardedUnit:
     # Found 2026-11-28 (peft LoRA on Qwen2 under FSDP2): counting the trainable
     # parameters alone left the frozen base weights FSDP2 all-gathers out of every
     # prediction, 8 MiB (27%) below the measured step on one rank.
-    gathered = sum(_gathered_bytes(p, module) for p in params)
-    grads = sum(p.numel() * p.element_size() for p in trainable)
+    param_dtype, reduce_dtype = _mixed_precision(module)
+    gathered = sum(_bytes(p, param_dtype) for p in params)
+    # FSDP2 reduce-scatters the gradients in reduce_dtype, or else in the dtype they were
+    # computed in (param_dtype's).
+    grads = sum(_bytes(p, reduce_dtype or param_dtype) for p in trainable)
     return ShardedUnit(gathered, grads, shard, _reshards_after_forward(module))
 
 
-def _gathered_bytes(p: nn.Parameter, module: nn.Module) -> int:
-    """``p`` unsharded, in the dtype FSDP2 all-gathers it in (its mixed-precision policy's
-    ``param_dtype`` where one is set)."""
-    dtype = _param_dtype(module) or p.dtype
-    return p.numel() * torch.empty((), dtype=dtype).element_size()
+def _bytes(p: nn.Parameter, dtype: torch.dtype | None) -> int:
+    """``p`` unsharded, in ``dtype`` (``None``: its own)."""
+    return p.numel() * (torch.empty((), dtype=dtype).element_size() if dtype else
+                        p.element_size())
 
 
-def _param_dtype(module: nn.Module) -> torch.dtype | None:
+def _mixed_precision(module: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The ``param_dtype`` and ``reduce_dtype`` of ``module``'s FSDP2 mixed-precision
+    policy (``None`` where unset or unreadable: the parameters' own)."""
     try:
         group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
     except AttributeError:
-        return None
+        return None, None
     policy = getattr(group, "mp_policy", None)
-    return getattr(policy, "param_dtype", None)
+    return getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None)
 
 
 def _reshards_after_forward(module: nn.Module) -> bool:
