@@ -1,12 +1,13 @@
-"""``remat.solve`` per rank on FSDP2-sharded models remat was not written for.
+"""``remat.solve`` per rank on FSDP2-sharded and DDP models remat was not written for.
 
 Spawns ``--ranks`` gloo ranks on the CPU. Each case is a stock model with random weights
 (the same on every rank, seed 0), each rank its own micro-batch; every rank shards it as
-its users would (each block with ``fully_shard``, then the root) and calls
-``remat.solve(model, batch, memory_budget=..., optimizer=AdamW)`` on the sharded model,
+its users would (each block with ``fully_shard``, then the root), or wraps it in
+``DistributedDataParallel``, and calls
+``remat.solve(model, batch, memory_budget=..., optimizer=AdamW)`` on the wrapped model,
 verification included, at two per-rank budgets: the smallest feasible peak and halfway
 from it to no checkpointing. The plan is applied and checked against a second copy of
-the model sharded alike and trained without a plan (one step: the loss, every gradient
+the model wrapped alike and trained without a plan (one step: the loss, every gradient
 and every buffer), then its step is measured ``--runs`` times on every rank by live
 tensor bytes (:class:`~remat.measurement.simulated_device.SimulatedDevice`, the rank's
 shards included) and as the allocator saw it
@@ -211,12 +212,20 @@ CASES: dict[str, tuple[Callable[[int], Case], str]] = {
 }
 
 
-def _sharded(name: str, rank: int) -> Case:
-    """The case's model (weights seeded alike on every rank), sharded; this rank's batch."""
+WRAPPERS = ("FSDP2", "DDP")
+
+
+def _wrapped(name: str, rank: int, wrapper: str) -> Case:
+    """The case's model (weights seeded alike on every rank) sharded with FSDP2 (each
+    layer, then the root) or wrapped by DDP; this rank's batch."""
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     case = CASES[name][0](rank)
+    if wrapper == "DDP":
+        case.model = DistributedDataParallel(case.model)
+        return case
     for layers in case.layers:
         for layer in layers:
             fully_shard(layer)
@@ -278,15 +287,16 @@ class Row:
     grad_diff: float
     buffers_equal: bool
     refused: bool = False  # remat.solve refused the budget (its verification measured more)
+    wrapper: str = "FSDP2"
 
 
-def _rank_rows(rank: int, name: str, runs: int) -> list[Row]:
+def _rank_rows(rank: int, name: str, runs: int, wrapper: str) -> list[Row]:
     import remat
     from remat.integrations.fsdp import measure_rank_step
     from remat.measurement import SimulatedDevice, resident_bytes
 
     def fresh() -> tuple[Case, Case, list[torch.optim.Optimizer]]:
-        planned, plain = _sharded(name, rank), _sharded(name, rank)
+        planned, plain = _wrapped(name, rank, wrapper), _wrapped(name, rank, wrapper)
         opts = [torch.optim.AdamW([p for p in c.model.parameters() if p.requires_grad])
                 for c in (planned, plain)]
         for case, opt in zip((planned, plain), opts):
@@ -312,8 +322,11 @@ def _rank_rows(rank: int, name: str, runs: int) -> list[Row]:
             # Verification's decision, taken on the highest peak over the ranks: the same
             # on every rank. At the smallest feasible peak the allocator's view of a step
             # on gloo can measure above the prediction (fsdp.md: its run-to-run spread).
-            rows.append(Row(name, budget, f"refused: {' '.join(str(err).split())[:160]}",
-                            0, 0, [], [], False, 0.0, 0.0, True, refused=True))
+            short = err.min_feasible_bytes - budget
+            rows.append(Row(name, budget, f"refused: the smallest feasible budget, "
+                            f"{err.min_feasible_bytes:,} B, is {short:,} B above",
+                            0, 0, [], [], False, 0.0, 0.0, True, refused=True,
+                            wrapper=wrapper))
             continue
         remat.apply_plan(planned.model, plan)
         loss_diff, grad_diff, buffers_equal = _compare(planned, plain)
@@ -335,7 +348,7 @@ def _rank_rows(rank: int, name: str, runs: int) -> list[Row]:
             fits = False
         rows.append(Row(name, budget, plan.summary(), plan.record.predicted_peak_bytes,
                         plan.verification.measured_peak_bytes, live, allocator, fits,
-                        loss_diff, grad_diff, buffers_equal))
+                        loss_diff, grad_diff, buffers_equal, wrapper=wrapper))
     return rows
 
 
@@ -352,20 +365,23 @@ def _merge(rows_by_rank: Sequence[list[Row]]) -> list[Row]:
                           [b for r in rows for b in r.live],
                           [b for r in rows for b in r.allocator],
                           all(r.fits for r in rows), max(r.loss_diff for r in rows),
-                          max(r.grad_diff for r in rows), all(r.buffers_equal for r in rows)))
+                          max(r.grad_diff for r in rows), all(r.buffers_equal for r in rows),
+                          wrapper=first.wrapper))
     return merged
 
 
-def _all_rows(rank: int, world: int, runs: int, cases: list[str]) -> list[Row]:
+def _all_rows(rank: int, world: int, runs: int, cases: list[str],
+              wrappers: list[str]) -> list[Row]:
     """Every case's rows, merged over the ranks."""
-    mine = [row for name in cases for row in _rank_rows(rank, name, runs)]
+    mine = [row for wrapper in wrappers for name in cases
+            for row in _rank_rows(rank, name, runs, wrapper)]
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     return _merge(every)
 
 
-def measure(world: int, runs: int, cases: list[str]) -> list[Row]:
-    return on_gloo_ranks(_all_rows, world, runs, cases)
+def measure(world: int, runs: int, cases: list[str], wrappers: list[str]) -> list[Row]:
+    return on_gloo_ranks(_all_rows, world, runs, cases, wrappers)
 
 
 def _pct(predicted: int, measured: int) -> str:
@@ -373,14 +389,15 @@ def _pct(predicted: int, measured: int) -> str:
 
 
 def report(rows: Sequence[Row], world: int, runs: int, minutes: float, command: str) -> str:
-    header = ["model", "exercises", "budget MiB", "plan", "predicted MiB",
+    header = ["wrapper", "model", "exercises", "budget MiB", "plan", "predicted MiB",
               "verified MiB", "live worst MiB", "(pred - live)/live %",
               "allocator worst MiB", "(pred - allocator)/allocator %",
               "steps inside a device of the budget", "loss diff (relative)",
               "gradients max diff (relative)", "buffers equal"]
-    table = [[r.case, CASES[r.case][1], f"{r.budget / MiB:.2f}", r.plan, *["-"] * 10]
+    table = [[r.wrapper, r.case, CASES[r.case][1], f"{r.budget / MiB:.2f}", r.plan,
+              *["-"] * 10]
              if r.refused else
-             [r.case, CASES[r.case][1], f"{r.budget / MiB:.2f}", r.plan,
+             [r.wrapper, r.case, CASES[r.case][1], f"{r.budget / MiB:.2f}", r.plan,
               f"{r.predicted / MiB:.2f}", f"{r.verified / MiB:.2f}",
               f"{max(r.live) / MiB:.2f}", _pct(r.predicted, max(r.live)),
               f"{max(r.allocator) / MiB:.2f}", _pct(r.predicted, max(r.allocator)),
@@ -391,15 +408,16 @@ def report(rows: Sequence[Row], world: int, runs: int, minutes: float, command: 
     below_live = [r for r in rows if r.predicted < max(r.live)]
     below_alloc = [r for r in rows if r.predicted < max(r.allocator)]
     lines = [
-        "# FSDP2 on models remat was not written for: per-rank plans, checked",
+        "# FSDP2 and DDP on models remat was not written for: per-rank plans, checked",
         "",
         f"Run {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC on {machine_line(1)}, {world} gloo "
         f"ranks (1 thread each); {minutes:.1f} min. Command: `{command}`.",
         "",
         "Each rank calls `remat.solve` (verification included) on its `fully_shard`-ed "
-        "model (each layer, then the root), its own micro-batch, AdamW over the trainable "
-        "parameters, at the smallest feasible per-rank peak and halfway to no "
-        "checkpointing; the plan applied is checked against the same model sharded alike "
+        "model (each layer, then the root) or its DDP-wrapped one, its own micro-batch, "
+        "AdamW over the trainable parameters, at the smallest feasible per-rank peak and "
+        "halfway to no checkpointing; the plan applied is checked against the same model "
+        "wrapped alike "
         f"and trained without a plan (one step: loss, gradients, buffers), then its step "
         f"measured {runs} times on every rank (worst over every run of every rank) and "
         "run once inside a simulated device of the budget. Models and what they exercise: "
@@ -423,16 +441,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--wrappers", nargs="+", default=list(WRAPPERS), choices=WRAPPERS)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    rows = measure(args.ranks, args.runs, args.cases)
+    rows = measure(args.ranks, args.runs, args.cases, args.wrappers)
+    whole = args.cases == list(CASES) and args.wrappers == list(WRAPPERS)
     command = "python benchmarks/fsdp_unseen.py" + (
         f" --ranks {args.ranks}" if args.ranks != 2 else "") + (
         f" --runs {args.runs}" if args.runs != 3 else "") + (
-        f" --cases {' '.join(args.cases)}" if args.cases != list(CASES) else "")
+        f" --cases {' '.join(args.cases)}" if args.cases != list(CASES) else "") + (
+        f" --wrappers {' '.join(args.wrappers)}" if args.wrappers != list(WRAPPERS) else "")
     text = report(rows, args.ranks, args.runs, (time.perf_counter() - start) / 60, command)
-    name = "fsdp_unseen.md" if args.cases == list(CASES) else "fsdp_unseen-partial.md"
-    write_result(RESULTS / name, text)
+    write_result(RESULTS / ("fsdp_unseen.md" if whole else "fsdp_unseen-partial.md"), text)
     return 0
 
 
