@@ -30,18 +30,18 @@ the model (:mod:`remat.execute.sharding`):
   previous unit's prefetched parameters and the next unit's reduce-scatter buffer not
   yet reclaimed;
 * :data:`IN_FLIGHT` units' gathered parameters (or their reduce-scatter input where that
-  is larger: a ``MixedPrecisionPolicy`` gathers in bf16 and reduces in fp32) are counted
-  alive through the forward and the backward: FSDP2's asynchronous collectives let
-  buffers of other units outlive the hooks that made them, by a varying amount from step
-  to step. One unit covered every run on a quiet machine; on a loaded one (the test
-  suite beside other work, 2026-11-25) steps measured one unit more than that, 200 KB
-  over the prediction and 0.5% over a budget at the smallest feasible peak, so two were
-  counted; once the meter stopped counting a collective's output, which is its output
-  argument, as new bytes a second time (c10d works in place), the allocator's worst run
-  on 2 gloo ranks was 1.1% over a prediction with two (gloo's own buffers of a
-  collective, which no dispatch-level meter sees), and on 4 ranks a third unit was alive
-  at one plan's peak: three are counted. A promise must hold when the machine is busy
-  too.
+  is larger: a ``MixedPrecisionPolicy`` gathers in bf16 and reduces in fp32; one of them
+  the root's where that is larger than a unit's, :func:`_in_flight`) are counted alive
+  through the forward and the backward: FSDP2's asynchronous collectives let buffers of
+  other units outlive the hooks that made them, by a varying amount from step to step.
+  One unit covered every run on a quiet machine; on a loaded one (the test suite beside
+  other work, 2026-11-25) steps measured one unit more than that, 200 KB over the
+  prediction and 0.5% over a budget at the smallest feasible peak, so two were counted;
+  once the meter stopped counting a collective's output, which is its output argument,
+  as new bytes a second time (c10d works in place), the allocator's worst run on 2 gloo
+  ranks was 1.1% over a prediction with two (gloo's own buffers of a collective, which
+  no dispatch-level meter sees), and on 4 ranks a third unit was alive at one plan's
+  peak: three are counted. A promise must hold when the machine is busy too.
 
 What is alive at a measured peak (issue 32, 2026-11-25; the allocator's events read
 with the ``record_function`` scope each block was allocated in, GPT of 8 blocks of 128,
@@ -137,17 +137,15 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
     except AttributeError as err:
         raise ProfileError(f"the profile's units are not the model's: {err}") from None
     gathered = [f.gathered_bytes for f in figures]
-    # A buffer in flight is an all-gather output or a reduce-scatter input: the larger of
-    # a unit's two (they differ under a mixed-precision policy, which gathers in bf16 and
-    # reduces in fp32, and for frozen parameters, which are gathered and not reduced).
-    in_flight = IN_FLIGHT * max((max(f.gathered_bytes, f.grad_bytes) for f in figures),
-                                default=0)
     # The root's own parameters (embeddings, the head: in no unit) are gathered by its
     # pre-forward, which runs before the outside step's first mark, and stay gathered to
     # its post-forward, which encloses the whole forward; its pre-backward, at the start
     # of the backward, gathers them again until its post-backward at the end. So they are
     # held through the step whether it reshards after its forward or not.
-    root = max(sharded_unit(model).gathered_bytes - sum(gathered), 0)
+    whole = sharded_unit(model)
+    root = max(whole.gathered_bytes - sum(gathered), 0)
+    root_grads = max(whole.grad_bytes - sum(f.grad_bytes for f in figures), 0)
+    in_flight = _in_flight(figures, max(root, root_grads))
     units = [dataclasses.replace(
         unit, options={name: _with_fsdp(cost, figures, i) for name, cost in unit.options.items()},
         param_grad_bytes=figures[i].shard_bytes)
@@ -163,6 +161,26 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
             "fsdp_gathered_bytes": gathered, "fsdp_root_gathered_bytes": root}
     return dataclasses.replace(profile, units=tuple(units), prefix=_holding(profile.prefix, held),
                                head=head, meta=meta)
+
+
+def _in_flight(figures: list[ShardedUnit], root_buffer: int) -> int:
+    """The bytes of :data:`IN_FLIGHT` buffers counted in flight, each an all-gather output
+    or a reduce-scatter input (the larger of a unit's two: they differ under a
+    mixed-precision policy, which gathers in bf16 and reduces in fp32, and for frozen
+    parameters, which are gathered and not reduced). One of them may be the root's
+    (``root_buffer``), where that is larger than a unit's: it gathers once a pass.
+
+    Why the root's: on a Qwen2 of 4 layers whose embeddings and head (8 MiB gathered)
+    outweigh a layer (2.8 MiB), 2 gloo ranks, the allocator's view of its smallest
+    feasible plan's step stood 8.0 MiB above its live tensors in some of 20 runs (the
+    root's size, to the 0.01 MiB) and 10.2 MiB in one, 1.75 MiB over a prediction that
+    sized all three by a layer (under bf16 autocast 4 runs of 20 over, by up to 4.45
+    MiB); with a vocabulary of 512 (the root 0.5 MiB) it stood at most 5.6 MiB above,
+    two layers (2026-11-28)."""
+    unit = max((max(f.gathered_bytes, f.grad_bytes) for f in figures), default=0)
+    if root_buffer <= unit:
+        return IN_FLIGHT * unit
+    return root_buffer + (IN_FLIGHT - 1) * unit
 
 
 def _holding(part: OutsideCost, nbytes: int) -> OutsideCost:
