@@ -326,6 +326,19 @@ def test_ranks_that_disagree_get_an_error_naming_the_rank(free_port: int) -> Non
     _spawn(_check_disagreeing_ranks, free_port)
 
 
+def test_the_buffers_in_flight_are_units_and_at_most_one_root() -> None:
+    # Each of IN_FLIGHT buffers is an all-gather output or a reduce-scatter input, sized
+    # by the larger of a unit's two; the root gathers once a pass, so it is one of them
+    # at most, where it outweighs a unit (profiler/sharded.py's _in_flight says why).
+    from remat.execute.sharding import ShardedUnit
+    from remat.profiler.sharded import IN_FLIGHT, _in_flight
+
+    units = [ShardedUnit(300, 300, 150), ShardedUnit(200, 400, 200)]  # reduced in fp32
+    assert _in_flight(units, root_buffer=100) == IN_FLIGHT * 400
+    assert _in_flight(units, root_buffer=1000) == 1000 + (IN_FLIGHT - 1) * 400
+    assert _in_flight([], root_buffer=0) == 0
+
+
 def test_a_plan_for_two_ranks_is_refused_on_one() -> None:
     import dataclasses
 
