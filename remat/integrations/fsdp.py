@@ -91,6 +91,12 @@ def per_rank_profile(
     Returns:
         A profile of per-rank bytes, with ``is_chain=False`` (per-unit options only);
         solve it for a per-rank budget (``remat.solve(per_rank, memory_budget=...)``).
+
+    A unit's gathered parameters are read off its gradients (the profile measures those),
+    so frozen parameters, which FSDP2 all-gathers too (a LoRA model's base weights), a
+    ``MixedPrecisionPolicy``'s dtypes and the root's buffer in flight are not counted:
+    ``remat.solve`` on the ``fully_shard``-ed model reads them off it
+    (:mod:`remat.profiler.sharded`).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise RematError(f"world_size={world_size!r}: need an int >= 1 (the number of ranks)")
