@@ -75,19 +75,26 @@ def _ids(vocab: int, shape: tuple[int, int], seed: int, low: int = 0) -> torch.T
     return torch.randint(low, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _causal_lm(model: torch.nn.Module, layers: Any, seed: int,
+               autocast: str | None = None) -> Case:
+    """A causal LM's case: random token ids (vocabulary 4096) as their own labels, the
+    output dropped, under ``autocast`` where given."""
+    import remat
+
+    ids = _ids(4096, (4, 128), seed)
+    return Case(model.train(), [layers], {"input_ids": ids, "labels": ids},
+                remat.Loop(keep_output=False, autocast=autocast))
+
+
 def _mixtral(seed: int) -> Case:
     import transformers
-
-    import remat
 
     config = transformers.MixtralConfig(
         hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=4096, num_local_experts=4, num_experts_per_tok=2,
         output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
-    model = transformers.MixtralForCausalLM(config).train()
-    ids = _ids(4096, (4, 128), seed)
-    return Case(model, [model.model.layers], {"input_ids": ids, "labels": ids},
-                remat.Loop(keep_output=False))
+    model = transformers.MixtralForCausalLM(config)
+    return _causal_lm(model, model.model.layers, seed)
 
 
 def _qwen2_config() -> Any:
@@ -102,24 +109,16 @@ def _qwen2_lora(seed: int) -> Case:
     import peft
     import transformers
 
-    import remat
-
     model = peft.get_peft_model(transformers.Qwen2ForCausalLM(_qwen2_config()),
                                 peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-    ids = _ids(4096, (4, 128), seed)
-    return Case(model.train(), [model.base_model.model.model.layers],
-                {"input_ids": ids, "labels": ids}, remat.Loop(keep_output=False))
+    return _causal_lm(model, model.base_model.model.model.layers, seed)
 
 
 def _qwen2_bf16(seed: int) -> Case:
     import transformers
 
-    import remat
-
-    model = transformers.Qwen2ForCausalLM(_qwen2_config()).train()
-    ids = _ids(4096, (4, 128), seed)
-    return Case(model, [model.model.layers], {"input_ids": ids, "labels": ids},
-                remat.Loop(keep_output=False, autocast="bfloat16"))
+    model = transformers.Qwen2ForCausalLM(_qwen2_config())
+    return _causal_lm(model, model.model.layers, seed, autocast="bfloat16")
 
 
 def _bart(seed: int) -> Case:
@@ -141,16 +140,12 @@ def _bart(seed: int) -> Case:
 def _gemma2_bf16(seed: int) -> Case:
     import transformers
 
-    import remat
-
     config = transformers.Gemma2Config(
         hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, sliding_window=64, vocab_size=4096,
         max_position_embeddings=256, use_cache=False)
-    model = transformers.Gemma2ForCausalLM(config).train()
-    ids = _ids(4096, (4, 128), seed)
-    return Case(model, [model.model.layers], {"input_ids": ids, "labels": ids},
-                remat.Loop(keep_output=False, autocast="bfloat16"))
+    model = transformers.Gemma2ForCausalLM(config)
+    return _causal_lm(model, model.model.layers, seed, autocast="bfloat16")
 
 
 def _whisper(seed: int) -> Case:
