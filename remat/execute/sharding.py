@@ -137,8 +137,7 @@ def sharded_unit(module: nn.Module) -> ShardedUnit:
 
 def _bytes(p: nn.Parameter, dtype: torch.dtype | None) -> int:
     """``p`` unsharded, in ``dtype`` (``None``: its own)."""
-    return p.numel() * (torch.empty((), dtype=dtype).element_size() if dtype else
-                        p.element_size())
+    return p.numel() * (dtype.itemsize if dtype else p.element_size())
 
 
 def _mixed_precision(module: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:

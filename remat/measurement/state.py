@@ -108,7 +108,7 @@ class _ModuleDict:
                    if isinstance(d.get(key), dict)}
         return cls(module, dict(d), entries)
 
-    def restore_entries(self, keys: tuple[str, ...] = _ENTRY_DICTS) -> None:
+    def restore_entries(self, keys: tuple[str, ...] = _ENTRY_DICTS + _HOOK_DICTS) -> None:
         d = self.module.__dict__
         for key in keys:
             saved = self.entries.get(key)
@@ -127,7 +127,7 @@ class _ModuleDict:
         for key, value in self.attrs.items():
             if d.get(key, _MISSING) is not value:
                 d[key] = value
-        self.restore_entries(_ENTRY_DICTS + _HOOK_DICTS)
+        self.restore_entries()
 
 
 def clear_grads(params: list[nn.Parameter]) -> None:
