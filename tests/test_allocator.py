@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from remat.measurement import allocator
+from remat.measurement.collective_buffers import Release
 from remat.measurement.deaths import Death
 from remat.measurement.meter import MemoryMeter
 
@@ -107,6 +108,28 @@ def test_a_block_whose_storage_the_meter_saw_die_is_freed_then() -> None:
     events = [ev(0, 300, "cpu", 0xA0), ev(4, -300, "cpu", 0xA0)]
     closed = allocator.unrecorded_frees_closed(events, [death("cpu", 0xA0, 0, 3)])
     assert [(e.time_ns, e.nbytes) for e in closed] == [(0, 300), (3, -300)]
+
+
+def test_a_collectives_own_buffer_is_freed_when_its_work_ended() -> None:
+    # gloo's clone of a reduce-scatter's input: no meter counts it, and its free goes
+    # unrecorded when gloo's worker drops the work (remat.measurement.collective_buffers).
+    ev, release = allocator.AllocationEvent, Release
+    events = [ev(0, 300, "cpu", 0xA0),  # unrecorded free, address reused at 8
+              ev(1, 100, "cpu", 0xB0), ev(6, -100, "cpu", 0xB0),  # recorded free at 6
+              ev(2, 50, "cpu", 0xC0),  # never freed by the record
+              ev(3, 70, "cpu", 0xD0),  # unrecorded, reused at 8 before its release (9)
+              ev(8, 200, "cpu", 0xA0), ev(8, 10, "cpu", 0xD0)]
+    releases = [release(0xA0, allocated_ns=0, time_ns=4),
+                release(0xB0, allocated_ns=1, time_ns=3),  # the caller held it: 6 stands
+                release(0xC0, allocated_ns=2, time_ns=5),
+                release(0xD0, allocated_ns=3, time_ns=9),
+                release(0xA0, allocated_ns=7, time_ns=9)]  # another block's: ignored
+    closed = allocator.unrecorded_frees_closed(sorted(events, key=lambda e: e.time_ns),
+                                               released=releases)
+    frees = {(e.ptr, e.time_ns) for e in closed if e.nbytes < 0}
+    assert frees == {(0xA0, 4), (0xB0, 6), (0xC0, 5), (0xD0, 8)}
+    assert sum(e.nbytes for e in closed) == 210  # the two blocks allocated at 8
+    assert allocator.peak_of(closed) == 520  # at 3: every block but 0xA0's first
 
 
 def test_a_tensor_freed_on_another_thread_leaves_the_allocators_view_when_it_dies() -> None:

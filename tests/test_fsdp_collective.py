@@ -307,6 +307,68 @@ def test_checkpoint_composed_on_a_rank_as_its_full_replay(free_port: int) -> Non
     _spawn(_check_composed_on_a_rank, free_port)
 
 
+def _check_reduce_scatter_clones_released(rank: int) -> None:
+    from torch._C._profiler import _EventType
+
+    from remat.measurement.allocator import (
+        _walk_allocations,
+        peak_of,
+        unrecorded_frees_closed,
+    )
+    from remat.measurement.collective_buffers import collective_releases
+    from remat.measurement.deaths import recording
+    from remat.measurement.torch_profiler import memory_profile
+
+    model, batch = _sharded_gpt()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step() -> None:
+        model(**batch).logits.sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    with memory_profile() as prof, recording() as deaths:
+        step()
+    roots = list(prof.profiler.kineto_results.experimental_event_tree())
+    # gloo's clone of each reduce-scatter's input, made inside the caller's c10d call
+    calls, works, stack = [], [], [(root, False) for root in roots]
+    clones = []
+    while stack:
+        event, inside = stack.pop()
+        if event.tag == _EventType.Allocation:
+            if inside and event.extra_fields.alloc_size > 0:
+                clones.append(event)
+            continue
+        if event.name.startswith("gloo:"):
+            works.append(event)
+        outermost = event.name.startswith("c10d::") and not inside
+        if outermost:
+            calls.append(event)
+        stack.extend((child, inside or (outermost and "reduce_scatter" in event.name))
+                     for child in event.children)
+    assert clones and len(calls) == len(works), (len(clones), len(calls), len(works))
+    releases = {(r.ptr, r.allocated_ns): r.time_ns for r in collective_releases(roots)}
+    ends = {work.end_time_ns for work in works}
+    for clone in clones:
+        released = releases[(clone.extra_fields.ptr, clone.start_time_ns)]
+        assert released in ends and released > clone.start_time_ns
+    events = sorted(_walk_allocations(roots), key=lambda e: e.time_ns)
+    closed = unrecorded_frees_closed(events, deaths, collective_releases(roots))
+    recorded = {(e.ptr, e.time_ns) for e in events if e.nbytes < 0}
+    for clone in clones:  # a recorded free stands (the caller held the work); else the release
+        ptr, born = clone.extra_fields.ptr, clone.start_time_ns
+        free = min(e.time_ns for e in closed if e.ptr == ptr and e.nbytes < 0
+                   and e.time_ns > born)
+        assert (ptr, free) in recorded or free <= releases[(ptr, born)]
+    assert peak_of(closed) <= peak_of(unrecorded_frees_closed(events, deaths))
+
+
+def test_gloos_reduce_scatter_clones_leave_the_allocators_view_with_their_work(
+        free_port: int) -> None:
+    _spawn(_check_reduce_scatter_clones_released, free_port)
+
+
 def _check_disagreeing_ranks(rank: int) -> None:
     import remat
     from remat.core.errors import RematError

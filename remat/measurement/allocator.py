@@ -26,6 +26,8 @@ live to the end of the region, and one step's peak would vary by several such bl
 from run to run (on two gloo ranks, 0.2 to 0.65 MB on a 4-block GPT of 0.85 MB of
 parameters). Where a dispatch-level meter runs beside the timeline, it saw the storage
 die, on whichever thread: the block is freed then (:mod:`remat.measurement.deaths`).
+A collective's own buffer, which no meter counts (gloo's clone of a reduce-scatter's
+input), is freed when its work ended (:mod:`remat.measurement.collective_buffers`).
 Otherwise a block cannot be handed out again before it is freed, so an allocation at an
 address still live by the record frees the earlier block first
 (:func:`unrecorded_frees_closed`): the latest time it can have gone. (Profiling every
@@ -36,6 +38,7 @@ other threads' ops but no memory event on any thread: tried, no help.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -45,6 +48,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, record_function
 
+from remat.measurement.collective_buffers import Release, collective_releases
 from remat.measurement.deaths import Death, recording
 from remat.measurement.torch_profiler import memory_profile
 
@@ -71,10 +75,13 @@ class AllocationEvent:
 
 
 def unrecorded_frees_closed(events: Iterable[AllocationEvent],
-                            deaths: Iterable[Death] = ()) -> list[AllocationEvent]:
+                            deaths: Iterable[Death] = (),
+                            released: Iterable[Release] = ()) -> list[AllocationEvent]:
     """``events`` (in time order) with a free added for each block no recorded free
     released (see the module docstring): at its storage's death where the meter saw it
-    (``deaths``: :mod:`remat.measurement.deaths`), else before the next allocation at its
+    (``deaths``: :mod:`remat.measurement.deaths`), else when its collective's work ended
+    where it was a collective's own buffer (``released``:
+    :mod:`remat.measurement.collective_buffers`), else before the next allocation at its
     address. No block counts twice, and none outlives the reuse of its address."""
     # Deaths sort after an event of the same time: a recorded free goes first. The events
     # are sorted; deaths are noted nearly in order (two threads may interleave), so they
@@ -84,6 +91,7 @@ def unrecorded_frees_closed(events: Iterable[AllocationEvent],
                          key=lambda item: item[:2])
     live: dict[tuple[str, int], tuple[int, int]] = {}  # -> (bytes, allocated at)
     died: set[tuple[str, int]] = set()  # closed at a death: their late recorded free goes
+    bound: dict[tuple[str, int, int], int] = {}  # closed at its address's reuse -> index
     out: list[AllocationEvent] = []
     for time_ns, kind, item in stream:
         key = (item.device_type, item.ptr)
@@ -100,6 +108,7 @@ def unrecorded_frees_closed(events: Iterable[AllocationEvent],
         if event.ptr and event.nbytes > 0:
             earlier = live.pop(key, None)
             if earlier is not None:
+                bound[(*key, earlier[1])] = len(out)
                 out.append(AllocationEvent(event.time_ns, -earlier[0], event.device_type,
                                            event.ptr))
             died.discard(key)
@@ -109,6 +118,27 @@ def unrecorded_frees_closed(events: Iterable[AllocationEvent],
                 died.discard(key)
                 continue  # already closed at its death, a moment before
         out.append(event)
+    return _released_earlier(out, bound, live, released)
+
+
+def _released_earlier(out: list[AllocationEvent], bound: dict[tuple[str, int, int], int],
+                      live: dict[tuple[str, int], tuple[int, int]],
+                      released: Iterable[Release]) -> list[AllocationEvent]:
+    """``out`` with each block that only the bound closed (at the reuse of its address,
+    ``bound``: its close's index; or never, still ``live``) closed instead when its
+    collective's work released it, where that was earlier."""
+    when = {("cpu", r.ptr, r.allocated_ns): r.time_ns for r in released}
+    if not when:
+        return out
+    for block, index in bound.items():
+        time_ns = when.get(block)
+        if time_ns is not None and time_ns < out[index].time_ns:
+            out[index] = dataclasses.replace(out[index], time_ns=time_ns)
+    for (device_type, ptr), (nbytes, allocated_ns) in live.items():
+        time_ns = when.get((device_type, ptr, allocated_ns))
+        if time_ns is not None:
+            out.append(AllocationEvent(time_ns, -nbytes, device_type, ptr))
+    out.sort(key=lambda e: e.time_ns)  # stable: ties keep their order
     return out
 
 
@@ -135,9 +165,10 @@ def allocation_events(step_fn: Callable[[], object]) -> list[AllocationEvent]:
         activities.append(ProfilerActivity.CUDA)
     with memory_profile(activities) as prof, recording() as deaths:
         step_fn()
-    events = _walk_allocations(prof.profiler.kineto_results.experimental_event_tree())
+    roots = list(prof.profiler.kineto_results.experimental_event_tree())
+    events = _walk_allocations(roots)
     events.sort(key=lambda e: e.time_ns)  # stable: ties keep the recorded order
-    return unrecorded_frees_closed(events, deaths)
+    return unrecorded_frees_closed(events, deaths, collective_releases(roots))
 
 
 def peak_of(events: Iterable[AllocationEvent], device_type: str = "cpu") -> int:
@@ -240,7 +271,8 @@ class AllocatorTimeline:
         allocations.sort(key=lambda e: e.time_ns)
         # (time, 0 = allocation / 1 = mark, value), allocations in their recorded order
         stream = [(e.time_ns, 0, e.nbytes)
-                  for e in unrecorded_frees_closed(allocations, self._deaths)]
+                  for e in unrecorded_frees_closed(allocations, self._deaths,
+                                                   collective_releases(roots))]
         stack = roots
         while stack:
             event = stack.pop()
