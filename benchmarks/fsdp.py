@@ -1,7 +1,9 @@
 """Per-rank predictions against measured FSDP2 steps, and what per-unit options cost.
 
 Spawns ``--ranks`` gloo ranks on the CPU. For each model (a Llama-style ``transformers``
-model from a ``LlamaConfig``, random weights; remat's own GPT), ``reshard_after_forward``
+model from a ``LlamaConfig``, random weights, also sharded under a bf16
+``MixedPrecisionPolicy`` and with a vocabulary whose logits set the floor; remat's own
+GPT), ``reshard_after_forward``
 True and False, every rank shards the model (each block, then the root), profiles it
 collectively (``remat.profile`` on the sharded model: the worst rank's step, the same
 on every rank; each rank its own micro-batch), and solves at 4 budgets from the smallest
@@ -13,9 +15,10 @@ applied and its step run ``--runs`` times on every rank, each run measured by li
 everything the step holds, the rank's shards included). The table gives, per plan, the
 worst and the least run over every rank, and how far the prediction is above the worst.
 
-Rank 0 also profiles each model unsharded (one process, the whole model: its step's
-peak without checkpointing) for the largest ratio of unsharded step to per-rank budget
-that was planned, and, on that profile, solves the same budgets twice: with multi-unit
+Rank 0 also profiles each model in full precision unsharded (one process, the whole
+model: its step's peak without checkpointing) for the largest ratio of unsharded step to
+per-rank budget that was planned, and, on the profiles of the Llama-style model and the
+GPT, solves the same budgets twice: with multi-unit
 checkpoint segments allowed, and with per-unit options only (every plan of
 ``keep``/``checkpoint`` per unit, simulated): what FSDP2's per-block hooks cost by
 preventing segments (pure solver).
@@ -45,12 +48,35 @@ from _common import RESULTS, machine_line, markdown_table, write_result  # noqa:
 from _ranks import on_gloo_ranks  # noqa: E402
 
 FRACTIONS = (0.0, 1 / 3, 2 / 3, 1.0)  # budgets between the smallest feasible peak and none
-# name -> (remat.models.build arguments, the attribute path of the blocks)
-MODELS: dict[str, tuple[dict[str, Any], str]] = {
-    "llama": ({"name": "hf-llama", "depth": 6, "width": 256, "heads": 4, "seq_len": 64,
-               "vocab_size": 2048, "batch_size": 2}, "model.layers"),
-    "gpt": ({"name": "gpt", "size": "tiny", "depth": 8, "width": 128, "seq_len": 64,
-             "batch_size": 2}, "blocks"),
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model as the ranks shard it."""
+
+    build: dict[str, Any]  # remat.models.build's arguments
+    blocks: str  # the attribute path of the blocks (each its own FSDP2 unit)
+    mixed_precision: bool = False  # FSDP2 gathers in bf16 and reduce-scatters in fp32
+    segments: bool = True  # also in the segments table (unsharded, pure solver)
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k} {v}" for k, v in self.build.items() if k != "name")
+        return args + (", `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`"
+                       if self.mixed_precision else "")
+
+
+_LLAMA = {"name": "hf-llama", "depth": 6, "width": 256, "heads": 4, "seq_len": 64,
+          "vocab_size": 2048, "batch_size": 2}
+MODELS: dict[str, Case] = {
+    "llama": Case(_LLAMA, "model.layers"),
+    "gpt": Case({"name": "gpt", "size": "tiny", "depth": 8, "width": 128, "seq_len": 64,
+                 "batch_size": 2}, "blocks"),
+    # What most FSDP2 runs train with: parameters gathered in bf16, gradients reduced in fp32.
+    "llama-bf16": Case(_LLAMA, "model.layers", mixed_precision=True, segments=False),
+    # A head whose logits set the floor (8192 x 512 tokens), so a chunked head has budgets
+    # of its own.
+    "llama-vocab": Case({**_LLAMA, "seq_len": 256, "vocab_size": 8192}, "model.layers",
+                        segments=False),
 }
 SEGMENT_OPTIONS = ("keep", "checkpoint")
 NO_CHUNKED_HEAD = (
@@ -109,20 +135,22 @@ def _blocks(model: torch.nn.Module, path: str) -> torch.nn.Module:
 def _build(name: str, seed: int, **overrides: Any) -> tuple[torch.nn.Module, Any]:
     from remat.models import build
 
-    args, _ = MODELS[name]
-    ref = build(**{**args, **overrides}, dropout=0.0, seed=seed)
+    ref = build(**{**MODELS[name].build, **overrides}, dropout=0.0, seed=seed)
     return ref.model, ref.batch
 
 
 def _sharded(name: str, rank: int, reshard: bool) -> tuple[torch.nn.Module, Any]:
     """The model with the same weights on every rank, sharded; this rank's own batch."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    case = MODELS[name]
     model, _ = _build(name, 0)
     _, batch = _build(name, rank)
-    for block in _blocks(model, MODELS[name][1]):
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if case.mixed_precision else MixedPrecisionPolicy()
+    for block in _blocks(model, case.blocks):
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
     return model, batch
 
 
@@ -279,7 +307,8 @@ def report(rows: Sequence[Row], unsharded: dict[str, int], segments: list[list[s
            command: str, started: dt.datetime, seconds: float, runs: int) -> str:
     over = [100 * (r.predicted - r.worst) / r.worst for r in rows]
     spread = [100 * (r.worst - r.least) / r.worst for r in rows]
-    which = max(rows, key=lambda r: unsharded[r.model] / r.budget)  # rows may tie
+    which = max((r for r in rows if r.model in unsharded),
+                key=lambda r: unsharded[r.model] / r.budget)  # rows may tie
     ratio = unsharded[which.model] / which.budget
     over_allocator = [100 * (r.predicted - r.allocator_worst) / r.allocator_worst for r in rows]
     below = [r for r in rows if r.predicted < max(r.worst, r.allocator_worst)]
@@ -297,8 +326,7 @@ def report(rows: Sequence[Row], unsharded: dict[str, int], segments: list[list[s
         "by live tensor bytes (everything the step holds on the rank, its shards included) "
         "and as the allocator saw it (`remat.integrations.fsdp.measure_rank_step`); worst "
         "and min over every run of every rank. Models: " + "; ".join(
-            f"{n} ({', '.join(f'{k} {v}' for k, v in a.items() if k != 'name')})"
-            for n, (a, _) in MODELS.items()) + ".",
+            f"{n} ({case.describe()})" for n, case in MODELS.items()) + ".",
         "",
         *markdown_table(
             ["model", "ranks", "reshard", "head", "budget MiB", "plan", "predicted MiB",
@@ -350,8 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     started, t0 = dt.datetime.now(dt.UTC), time.perf_counter()
     rows = measure_ranks(args.ranks, args.runs)
-    unsharded = {name: unsharded_peak(name) for name in MODELS}
-    segments = [row for overrides in ({}, ACTIVATION_HEAVY) for name in MODELS
+    # A mixed-precision case's unsharded step would be another step (fp32 here): no ratio.
+    unsharded = {name: unsharded_peak(name) for name, case in MODELS.items()
+                 if not case.mixed_precision}
+    segments = [row for overrides in ({}, ACTIVATION_HEAVY)
+                for name, case in MODELS.items() if case.segments
                 for row in segment_rows(name, overrides)]
     command = "python benchmarks/fsdp.py " + " ".join(sys.argv[1:] if argv is None else argv)
     write_result(RESULTS / "fsdp.md", report(rows, unsharded, segments, command.strip(),
