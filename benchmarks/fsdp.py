@@ -4,7 +4,8 @@ Spawns ``--ranks`` gloo ranks on the CPU. For each model (a Llama-style ``transf
 model from a ``LlamaConfig``, random weights, also sharded under a bf16
 ``MixedPrecisionPolicy`` and with a vocabulary whose logits set the floor; remat's own
 GPT), ``reshard_after_forward``
-True and False, every rank shards the model (each block, then the root), profiles it
+True, False and None (FSDP2's default: the blocks reshard after their forward, the root
+does not), every rank shards the model (each block, then the root), profiles it
 collectively (``remat.profile`` on the sharded model: the worst rank's step, the same
 on every rank; each rank its own micro-batch), and solves at 4 budgets from the smallest
 feasible per-rank peak to no checkpointing, with the head as written (``head="none"``)
@@ -48,6 +49,9 @@ from _common import RESULTS, machine_line, markdown_table, write_result  # noqa:
 from _ranks import on_gloo_ranks  # noqa: E402
 
 FRACTIONS = (0.0, 1 / 3, 2 / 3, 1.0)  # budgets between the smallest feasible peak and none
+# reshard_after_forward for every block and the root; None is FSDP2's default: the blocks
+# reshard after their forward, the root keeps its parameters for the backward.
+RESHARD = (True, False, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +99,7 @@ class Row:
 
     model: str
     ranks: int
-    reshard: bool
+    reshard: bool | None  # reshard_after_forward; None: FSDP2's default
     head: str
     budget: int
     predicted: int
@@ -139,7 +143,7 @@ def _build(name: str, seed: int, **overrides: Any) -> tuple[torch.nn.Module, Any
     return ref.model, ref.batch
 
 
-def _sharded(name: str, rank: int, reshard: bool) -> tuple[torch.nn.Module, Any]:
+def _sharded(name: str, rank: int, reshard: bool | None) -> tuple[torch.nn.Module, Any]:
     """The model with the same weights on every rank, sharded; this rank's own batch."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -206,7 +210,8 @@ def _loop() -> Any:
     return remat.Loop(keep_output=False)
 
 
-def _rank_rows(rank: int, world: int, name: str, reshard: bool, runs: int) -> list[Row]:
+def _rank_rows(rank: int, world: int, name: str, reshard: bool | None, runs: int
+               ) -> list[Row]:
     """Every plan of one model and ``reshard_after_forward`` setting, measured."""
     import remat
 
@@ -235,7 +240,7 @@ def _rank_rows(rank: int, world: int, name: str, reshard: bool, runs: int) -> li
 
 def _all_rows(rank: int, world: int, runs: int) -> list[Row]:
     """Every model's rows on this rank (rank 0's are handed back)."""
-    return [row for name in MODELS for reshard in (True, False)
+    return [row for name in MODELS for reshard in RESHARD
             for row in _rank_rows(rank, world, name, reshard, runs)]
 
 
@@ -294,7 +299,8 @@ def _mib(n: int) -> str:
 
 
 def table_rows(rows: Sequence[Row]) -> list[list[object]]:
-    return [[r.model, r.ranks, r.reshard, r.head, _mib(r.budget), r.plan, _mib(r.predicted),
+    return [[r.model, r.ranks, "None (default)" if r.reshard is None else r.reshard, r.head,
+             _mib(r.budget), r.plan, _mib(r.predicted),
              _mib(r.worst), _mib(r.least), f"{100 * (r.worst - r.least) / r.worst:.1f}",
              f"{100 * (r.predicted - r.worst) / r.worst:+.1f}",
              "yes" if max(r.worst, r.allocator_worst) <= r.budget else "**no**",
@@ -318,7 +324,9 @@ def report(rows: Sequence[Row], unsharded: dict[str, int], segments: list[list[s
         f"Run {started:%Y-%m-%d %H:%M} UTC on {machine_line(threads=1)}, {rows[0].ranks} "
         f"gloo ranks (1 thread each); {seconds / 60:.1f} min. Command: `{command}`.",
         "",
-        "Every rank calls `remat.profile` on its `fully_shard`-ed model (the worst rank's "
+        "Every rank calls `remat.profile` on its `fully_shard`-ed model (each block, then "
+        "the root, with `reshard_after_forward` True, False or None: FSDP2's default, the "
+        "blocks reshard after their forward and the root does not; the worst rank's "
         "step, the same profile on every rank), plans 4 per-rank budgets from the smallest "
         "feasible peak to no checkpointing, applies each plan and runs its training step "
         f"{runs} times (AdamW, the output dropped before backward: "
