@@ -176,6 +176,7 @@ def _check_frozen_parameters_counted(rank: int) -> None:
     # included; the planned step runs inside a device of the predicted peak (a byte over
     # raises torch.OutOfMemoryError).
     import remat
+    from remat.core.errors import InfeasibleBudgetError
     from remat.measurement.simulated_device import SimulatedDevice
     from remat.measurement.storage import resident_bytes
 
@@ -183,9 +184,14 @@ def _check_frozen_parameters_counted(rank: int) -> None:
     for name, p in model.named_parameters():
         p.requires_grad_(name.endswith(("q_proj.weight", "v_proj.weight")))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    floor, keep = _floor_and_keep(model, batch, opt)
-    plan = remat.solve(model, batch, memory_budget=(floor + keep) // 2, optimizer=opt,
-                       verify=False)
+    # One profile for the floor, the budget and the plan: each call of solve(model, ...)
+    # profiles anew, and a CI run's third profile had a floor (35.51 MiB) above the
+    # midpoint of the first two's (34.75 MiB), so that budget was refused.
+    prof = remat.profile(model, batch, optimizer=opt)
+    keep = remat.solve(prof, None).record.predicted_peak_bytes
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        remat.solve(prof, 1)
+    plan = remat.solve(prof, (refused.value.min_feasible_bytes + keep) // 2)
     remat.apply_plan(model, plan)
     for _ in range(2):  # the optimizer's state made
         model(**batch).loss.backward()
