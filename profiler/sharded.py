@@ -22,6 +22,10 @@ the model (:mod:`remat.execute.sharding`):
 
 * a unit's gradients stay as this rank's shard after its reduce-scatter (the replays'
   unsharded gradients are in their backward's peak, and so counted while they live);
+  the root's (embeddings, the head) appear after the prefix's backward, where FSDP2's
+  last post-backward reduce-scatters them (counted from 2026-11-28, night: left out,
+  the optimizer step's event stood that shard, 2.00 MiB on a Llama of 2 ranks, below
+  the real step, and the profile's gradient bytes with it);
 * its forward holds its gathered parameters, every one (FSDP2 all-gathers frozen
   parameters too: a peft LoRA model's base weights, counted from 2026-11-28; before,
   the trainable ones alone, 8 MiB of 50 short on one rank of a LoRA Qwen2), to its
@@ -171,16 +175,29 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
         param_grad_bytes=figures[i].shard_bytes)
         for i, unit in enumerate(profile.units)]
     held = in_flight + root
+    # The root's sharded gradients come out of its reduce-scatter, which FSDP2 runs after
+    # the whole backward (its post-backward, at the end of the autograd pass): after the
+    # prefix's backward, where no measured figure has them (the outside step's grads are
+    # FSDP2's, made later). Left out, the optimizer step stood one root's shard (2.00 MiB
+    # on a Llama of 2 ranks) below the measured step, and every floor that much low.
+    root_shard = max(whole.shard_bytes - sum(f.shard_bytes for f in figures), 0)
+
+    def prefix(part: OutsideCost, suffix: OutsideCost) -> OutsideCost:
+        late = max(root_shard - part.param_grad_bytes - suffix.param_grad_bytes, 0)
+        return dataclasses.replace(_holding(part, held),
+                                   param_grad_bytes=part.param_grad_bytes + late)
+
     head = profile.head
     if head is not None:
         # A chunked head's variant replaces the prefix (where the step's held bytes are
         # counted): it holds the same buffers, which the variant's measurement left out.
         head = dataclasses.replace(head, variants=tuple(
-            dataclasses.replace(v, prefix=_holding(v.prefix, held)) for v in head.variants))
+            dataclasses.replace(v, prefix=prefix(v.prefix, v.suffix)) for v in head.variants))
     meta = {**profile.meta, "fsdp_world_size": world, "fsdp_per_rank": True,
             "fsdp_gathered_bytes": gathered, "fsdp_root_gathered_bytes": root}
-    return dataclasses.replace(profile, units=tuple(units), prefix=_holding(profile.prefix, held),
-                               head=head, meta=meta)
+    return dataclasses.replace(profile, units=tuple(units),
+                               prefix=prefix(profile.prefix, profile.suffix), head=head,
+                               meta=meta)
 
 
 def _in_flight(figures: list[ShardedUnit], root_buffer: int) -> int:

@@ -164,17 +164,26 @@ def measure_rank_step(
 ) -> int:
     """The peak bytes of one optimizer step of ``loop`` on this rank, as the allocator saw it.
 
-    :func:`remat.measurement.step.measure_step` with the allocator alone and nothing
-    restored (a sharded model cannot be snapshotted): ``warmup`` steps first (they
-    create the optimizer's state), then two measured steps; the peak is their rise plus
-    what the step holds throughout on this rank (local shards of parameters, buffers,
-    gradients and optimizer state, and the batch). Every rank must call it at the same
-    time: the steps' collectives must match. The steps train the model.
+    :func:`remat.measurement.step.measure_step` with nothing restored (a sharded model
+    cannot be snapshotted): ``warmup`` steps first (they create the optimizer's state),
+    then two measured steps; the peak is their rise plus what the step holds throughout
+    on this rank (local shards of parameters, buffers, gradients and optimizer state, and
+    the batch). Every rank must call it at the same time: the steps' collectives must
+    match. The steps train the model.
+
+    The dispatch-level meter runs beside the allocator's view (its figure is not
+    returned): on gloo it notes when each storage died, on whichever thread
+    (:mod:`remat.measurement.deaths`), so a block freed unrecorded on a gloo worker
+    closes then, not at the reuse of its address. Measured without it (before
+    2026-11-28), the tests' GPT of 4 blocks on 2 ranks varied by one unit's gathered
+    parameters (195 KiB of 11.6 MiB) in some runs of one plan and not others; with it,
+    what still varies is real: an all-gather's output that gloo's worker, holding the
+    work, let go after the step's peak.
     """
     from remat.measurement.step import measure_step
 
     step = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, loop=loop,
-                        warmup=warmup, repeats=0, meter=False, restore=False)
+                        warmup=warmup, repeats=0, restore=False, held=False)
     assert step.allocator_peak_bytes is not None  # measured with the allocator
     return step.allocator_peak_bytes
 
