@@ -145,7 +145,7 @@ from remat.execute.sharding import ShardedUnit, sharded_unit, world_size
 
 __all__ = ["IN_FLIGHT", "sharded_profile"]
 
-IN_FLIGHT = 3  # collective buffers counted in flight throughout (module docstring)
+IN_FLIGHT = 2  # collective buffers counted in flight throughout (module docstring)
 
 
 def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
