@@ -40,22 +40,26 @@ the model (:mod:`remat.execute.sharding`):
   FSDP2's asynchronous collectives let buffers of other units outlive the hooks that
   made them, and gloo adds buffers of its own (the staging of an all-gather that runs
   beside the compute, the clone of a reduce-scatter's input), by a varying amount from
-  step to step. With the allocator's view exact (2026-11-28, evening; below), the
-  prediction less two of the three stood 2.7% to 41.8% above the worst run in
-  ``benchmarks/fsdp.py`` (4 ranks, 40 plans, 10 runs each, 18:11 UTC), less all
-  three up to one unit's gradients below it; but counting one alone, the tests' GPT
-  of 4 blocks of 64 (``tests/test_fsdp_accuracy.py``, 2 ranks) measured up to 131 KB,
-  about two-thirds of a unit, over its prediction in 3 of 5 runs of those tests; its
-  allocator view still varies by a unit from run to run. So three stay counted on
-  every device. The history of the three:
-  One unit covered every run on a quiet machine; on a loaded one (the test suite beside
-  other work, 2026-11-25) steps measured one unit more than that, 200 KB over the
-  prediction and 0.5% over a budget at the smallest feasible peak, so two were counted;
-  once the meter stopped counting a collective's output, which is its output argument,
-  as new bytes a second time (c10d works in place), the allocator's worst run on 2 gloo
-  ranks was 1.1% over a prediction with two (gloo's own buffers of a collective, which
-  no dispatch-level meter sees), and on 4 ranks a third unit was alive at one plan's
-  peak: three are counted. A promise must hold when the machine is busy too.
+  step to step. Two are counted (2026-11-28, night), on this evidence, each figure the
+  allocator's view with the meter noting deaths (:func:`remat.integrations.fsdp.
+  measure_rank_step`): one is FSDP2's own and alive in every run, the other gloo's and
+  alive in some. FSDP2 keeps a unit's all-gather output through that unit's forward
+  (``comm_ctx.all_gather_state``, freed at the next unit's copy-out, the last one's at
+  the root's post-forward), which the unit's forward event does not count (its
+  forward, less the buffers in flight, stood 2.27 MiB low on a Llama-style model of
+  2.99 MiB units, 2 ranks); and gloo's worker, which holds a collective's work, drops
+  an all-gather's output after the step's peak in some runs (the tests' GPT of 4 blocks
+  of 64 on 2 ranks: its allocator view one unit, 195 KiB, higher in 1 to 2 runs of 10,
+  the block's death noted after the peak). With two, that GPT's prediction stood
+  exactly one unit above its worst run in the plans that come closest, over 10 runs
+  of 4 budgets, both settings of ``reshard_after_forward``, 5 times, 2 of them with two
+  busy loops on the machine's two cores. The history: one unit covered every run on a
+  quiet machine; on a loaded one (2026-11-25) steps measured one unit more, so two
+  were counted; gloo's collective buffers, which the allocator's view then kept alive
+  until their addresses were reused (its clone of a reduce-scatter's input, blocks
+  freed unrecorded on its threads), put the worst run over two on 2 and 4 ranks, so
+  three were, until the view closed them (:mod:`remat.measurement.collective_buffers`,
+  :mod:`remat.measurement.deaths`). A promise must hold when the machine is busy too.
 
 What is alive at a measured peak (issue 32, 2026-11-25; the allocator's events read
 with the ``record_function`` scope each block was allocated in, GPT of 8 blocks of 128,
@@ -169,9 +173,11 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
     whole = sharded_unit(model)
     root = max(whole.gathered_bytes - sum(gathered), 0)
     root_grads = max(whole.grad_bytes - sum(f.grad_bytes for f in figures), 0)
-    in_flight = _in_flight(figures, max(root, root_grads))
+    in_flight = _in_flight(figures)
+    root_over = _root_over_unit(figures, max(root, root_grads))
     units = [dataclasses.replace(
-        unit, options={name: _with_fsdp(cost, figures, i) for name, cost in unit.options.items()},
+        unit, options={name: _with_fsdp(cost, figures, i, root_over if i == 0 else 0)
+                       for name, cost in unit.options.items()},
         param_grad_bytes=figures[i].shard_bytes)
         for i, unit in enumerate(profile.units)]
     held = in_flight + root
@@ -184,7 +190,7 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
 
     def prefix(part: OutsideCost, suffix: OutsideCost) -> OutsideCost:
         late = max(root_shard - part.param_grad_bytes - suffix.param_grad_bytes, 0)
-        return dataclasses.replace(_holding(part, held),
+        return dataclasses.replace(_root_phases(_holding(part, held), root_over),
                                    param_grad_bytes=part.param_grad_bytes + late)
 
     head = profile.head
@@ -200,21 +206,44 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
                                meta=meta)
 
 
-def _in_flight(figures: list[ShardedUnit], root_buffer: int) -> int:
-    """The bytes of :data:`IN_FLIGHT` buffers counted in flight, each an all-gather output
-    or a reduce-scatter input (the larger of a unit's two: they differ under a
-    mixed-precision policy, which gathers in bf16 and reduces in fp32, and for frozen
-    parameters, which are gathered and not reduced). One of them may be the root's
-    (``root_buffer``), where that is larger than a unit's: it gathers once a pass.
+def _in_flight(figures: list[ShardedUnit]) -> int:
+    """The bytes of :data:`IN_FLIGHT` buffers counted in flight through the step, each an
+    all-gather output or a reduce-scatter input of a unit (the larger of a unit's two:
+    they differ under a mixed-precision policy, which gathers in bf16 and reduces in
+    fp32, and for frozen parameters, which are gathered and not reduced)."""
+    return IN_FLIGHT * _unit_buffer(figures)
 
-    Why the root's: gloo's reduce-scatter clones its whole input, the root's gradients
-    (in the reduce dtype) at the end of the backward, and that can be the largest
-    collective buffer of a step (a vocabulary's embeddings and head). The evidence first
-    given for it, a Qwen2's allocator view standing the root's 8.0 MiB above its live
-    tensors in some runs, was that clone kept alive by the instrument
-    (:mod:`remat.measurement.collective_buffers`, 2026-11-28)."""
-    unit = max((max(f.gathered_bytes, f.grad_bytes) for f in figures), default=0)
-    return max(root_buffer, unit) + (IN_FLIGHT - 1) * unit
+
+def _unit_buffer(figures: list[ShardedUnit]) -> int:
+    return max((max(f.gathered_bytes, f.grad_bytes) for f in figures), default=0)
+
+
+def _root_over_unit(figures: list[ShardedUnit], root_buffer: int) -> int:
+    """How much the root's collective buffer (``root_buffer``: its gathered parameters or
+    its gradients in the reduce dtype, the larger) outweighs a unit's, where it does (a
+    vocabulary's embeddings and head): counted in the root's own phases alone
+    (:func:`_root_phases`), where one of the buffers in flight is the root's.
+
+    Until 2026-11-28 (night) it was counted through the whole step, as one of the
+    buffers in flight; measured event by event (``tests/test_fsdp_events.py``, scratch
+    ``phase_peaks.py``: a Llama-style model with a vocabulary of 8192, root 16.0 MiB,
+    units 2.99 MiB, 2 gloo ranks, every ``reshard_after_forward``), no unit's forward or
+    backward held it: each stood 4.98 MiB or more above its phase without it, and the
+    first unit's backward with the prefix's stood 0.25 MiB below."""
+    return max(root_buffer - _unit_buffer(figures), 0)
+
+
+def _root_phases(part: OutsideCost, over: int) -> OutsideCost:
+    """The prefix's ``part`` with the root's buffer ``over`` a unit's in its forward (the
+    root's all-gather output, which FSDP2 keeps to the first unit's copy-out:
+    ``comm_ctx.all_gather_state``) and its backward (the root's reduce-scatter input,
+    the root's gradients, and gloo's clone of it, at FSDP2's last post-backward), as a
+    peak, not held."""
+    stepped = part.stepped_bwd_peak_bytes
+    return dataclasses.replace(
+        part, fwd_peak_bytes=part.fwd_peak_bytes + over,
+        bwd_peak_bytes=part.bwd_peak_bytes + over,
+        stepped_bwd_peak_bytes=None if stepped is None else stepped + over)
 
 
 def _holding(part: OutsideCost, nbytes: int) -> OutsideCost:
@@ -224,10 +253,14 @@ def _holding(part: OutsideCost, nbytes: int) -> OutsideCost:
                                fwd_peak_bytes=part.fwd_peak_bytes + nbytes)
 
 
-def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int) -> OptionCost:
+def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int,
+               root_over: int = 0) -> OptionCost:
     """One option's cost of unit ``i`` with FSDP2's buffers around it: parameters gathered
-    (every one, frozen included) and gradient-sized buffers (its trainable parameters')."""
+    (every one, frozen included) and gradient-sized buffers (its trainable parameters').
+    ``root_over``: the first unit's forward starts with the root's all-gather output
+    still alive (FSDP2 frees it at this unit's copy-out), by what it outweighs a unit."""
     own = figures[i]
+    cost = dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + root_over)
     prefetched = figures[i - 1].gathered_bytes if i > 0 else 0
     lingering = figures[i + 1].grad_bytes if i + 1 < len(figures) else 0
     if own.reshard_after_forward:

@@ -416,17 +416,39 @@ def test_ranks_that_disagree_get_an_error_naming_the_rank(free_port: int) -> Non
     _spawn(_check_disagreeing_ranks, free_port)
 
 
-def test_the_buffers_in_flight_are_units_and_at_most_one_root() -> None:
+def test_the_buffers_in_flight_are_units_and_the_root_only_in_its_phases() -> None:
     # Each of IN_FLIGHT buffers is an all-gather output or a reduce-scatter input, sized
-    # by the larger of a unit's two; the root gathers once a pass, so it is one of them
-    # at most, where it outweighs a unit (profiler/sharded.py's _in_flight says why).
+    # by the larger of a unit's two, alive through the step. The root's buffer, where it
+    # outweighs a unit's, is counted by the difference in the root's own phases only: the
+    # prefix's forward and backward and the first unit's forward (profiler/sharded.py).
+    import dataclasses
+
+    from remat.core.profile import OptionCost, OutsideCost
     from remat.execute.sharding import ShardedUnit
-    from remat.profiler.sharded import IN_FLIGHT, _in_flight
+    from remat.profiler.sharded import (
+        IN_FLIGHT,
+        _in_flight,
+        _root_over_unit,
+        _root_phases,
+        _with_fsdp,
+    )
 
     units = [ShardedUnit(300, 300, 150), ShardedUnit(200, 400, 200)]  # reduced in fp32
-    assert _in_flight(units, root_buffer=100) == IN_FLIGHT * 400
-    assert _in_flight(units, root_buffer=1000) == 1000 + (IN_FLIGHT - 1) * 400
-    assert _in_flight([], root_buffer=0) == 0
+    assert _in_flight(units) == IN_FLIGHT * 400
+    assert _in_flight([]) == 0
+    assert _root_over_unit(units, root_buffer=100) == 0
+    assert _root_over_unit(units, root_buffer=1000) == 600
+    part = OutsideCost(held_bytes=7, fwd_peak_bytes=10, bwd_peak_bytes=20,
+                       stepped_bwd_peak_bytes=30)
+    assert _root_phases(part, 600) == dataclasses.replace(
+        part, fwd_peak_bytes=610, bwd_peak_bytes=620, stepped_bwd_peak_bytes=630)
+    cost = OptionCost(held_bytes=0, holds_input=True, holds_output=False, fwd_peak_bytes=10,
+                      bwd_peak_bytes=20)
+    first, second = (_with_fsdp(cost, units, i, 600 if i == 0 else 0) for i in (0, 1))
+    assert first.fwd_peak_bytes == 10 + 300 + 600  # its parameters, the root's over a unit's
+    assert second.fwd_peak_bytes == 10 + 200
+    # gathered again, its gradients, and the next unit's reduce-scatter buffer lingering
+    assert first.bwd_peak_bytes == 20 + 300 + 300 + 400
 
 
 def test_a_plan_for_two_ranks_is_refused_on_one() -> None:
