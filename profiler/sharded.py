@@ -35,8 +35,10 @@ the model (:mod:`remat.execute.sharding`):
   yet reclaimed;
 * :data:`IN_FLIGHT` collective buffers, each a unit's gathered parameters or its
   reduce-scatter input where that is larger (a ``MixedPrecisionPolicy`` gathers in bf16
-  and reduces in fp32), one of them the root's where that is larger than a unit's
-  (:func:`_in_flight`), are counted alive through the forward and the backward:
+  and reduces in fp32; :func:`_in_flight`), are counted alive through the forward and
+  the backward, and where the root's buffer outweighs a unit's, the difference in the
+  root's own phases (:func:`_root_over_unit`: the prefix's forward and backward, the
+  first unit's forward):
   FSDP2's asynchronous collectives let buffers of other units outlive the hooks that
   made them, and gloo adds buffers of its own (the staging of an all-gather that runs
   beside the compute, the clone of a reduce-scatter's input), by a varying amount from
@@ -104,20 +106,23 @@ run (Llama-style model, bf16 mixed precision; live 17.37), 25.67 to 31.58 to 25.
 same in fp32; live 25.00) and 8.63 to 9.38 to 8.63 (the GPT; live 8.63). The
 prediction's model is unchanged: ``benchmarks/fsdp.py`` gives its distance from that
 now steady view.
-Event by event, in live bytes (2026-11-28: ``benchmarks/fsdp.py``'s Llama on 4 ranks,
-``reshard_after_forward=True``, two plans, the simulated events against each phase's
-peak in a real step; scratch ``phase_peaks.py``), the prediction less :data:`IN_FLIGHT`
-units is exact in every unit's backward (to 0.01 MiB), 1.0 to 1.6 units low in a unit's
-forward (FSDP2's all-gather buffer, alive beside the gathered parameters while they are
-copied out, is not counted there), 2.0 units high in the suffix's backward and 1.3 in
-the prefix's forward (the outside step's figures hold the root's parameters, gathered
-again at the start of the backward, which ``root`` below holds too: a root given
-``reshard_after_forward=True`` reshards after its forward in torch 2.13; left unset, it
-keeps them). :data:`IN_FLIGHT` covers the forward's
-shortfall; a model exact event by event would lower plans that peak in the suffix's
-backward (those that keep every unit) by up to 2 units, and is not written yet: moving a
-unit's marks around FSDP2's hooks in the outside step (tried) moved the all-gather out of
-the prefix without making the other events exact.
+Event by event (2026-11-28, night; ``tests/test_fsdp_events.py`` holds every simulated
+event to its phase of a real step, the allocator's view cut at the units' boundaries;
+scratch ``phase_peaks.py`` the same on ``benchmarks/fsdp.py``'s Llama-style models, 2
+ranks), the model now stands above every phase. Less the buffers in flight, it is within
+0.33 MiB above each unit's backward (the Llama with a vocabulary of 2048) and about a
+unit below each unit's forward (FSDP2's ``all_gather_state``, above); the root's
+gradient shards make the optimizer step exact (to 16 B). What it still counts twice:
+where the blocks reshard after their forward (True, or FSDP2's default), the outside
+step's window of the suffix's backward measures the last unit's second all-gather, which
+that unit's backward counts too (3.75 MiB on that Llama, 0.01 with the blocks kept
+gathered); where the root reshards after its forward, the prefix's forward and the
+suffix's backward measure the root's all-gathers, which ``root`` below holds too (16.0
+MiB, the root's size, above the suffix's backward on the Llama with a vocabulary of
+8192). A model exact event by event would take FSDP2's own traffic out of the outside
+step's windows and count it where it runs; moving a unit's marks around FSDP2's hooks
+in the outside step (tried) moved the all-gather out of the prefix without making the
+other events exact.
 The other candidates measured as counted: the root's parameters are alive from the
 forward to the end of the backward; ``2 * gathered`` in a backward is the
 unit's gradients (in the replays' peak), its reduce-scatter input and gloo's second
