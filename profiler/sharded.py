@@ -190,7 +190,7 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
     # the whole backward (its post-backward, at the end of the autograd pass): after the
     # prefix's backward, where no measured figure has them (the outside step's grads are
     # FSDP2's, made later). Left out, the optimizer step stood one root's shard (2.00 MiB
-    # on a Llama of 2 ranks) below the measured step, and every floor that much low.
+    # on a Llama of 2 ranks) below the measured step, and the gradient bytes with it.
     root_shard = max(whole.shard_bytes - sum(f.shard_bytes for f in figures), 0)
 
     def prefix(part: OutsideCost, suffix: OutsideCost) -> OutsideCost:
