@@ -198,16 +198,21 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
         return dataclasses.replace(_root_phases(_holding(part, held), root_over),
                                    param_grad_bytes=part.param_grad_bytes + late)
 
+    def suffix(part: OutsideCost) -> OutsideCost:
+        return _root_gathered_again(part, root_over) if whole.reshard_after_forward else part
+
     head = profile.head
     if head is not None:
         # A chunked head's variant replaces the prefix (where the step's held bytes are
         # counted): it holds the same buffers, which the variant's measurement left out.
         head = dataclasses.replace(head, variants=tuple(
-            dataclasses.replace(v, prefix=prefix(v.prefix, v.suffix)) for v in head.variants))
+            dataclasses.replace(v, prefix=prefix(v.prefix, v.suffix), suffix=suffix(v.suffix))
+            for v in head.variants))
     meta = {**profile.meta, "fsdp_world_size": world, "fsdp_per_rank": True,
             "fsdp_gathered_bytes": gathered, "fsdp_root_gathered_bytes": root}
     return dataclasses.replace(profile, units=tuple(units),
-                               prefix=prefix(profile.prefix, profile.suffix), head=head,
+                               prefix=prefix(profile.prefix, profile.suffix),
+                               suffix=suffix(profile.suffix), head=head,
                                meta=meta)
 
 
@@ -249,6 +254,21 @@ def _root_phases(part: OutsideCost, over: int) -> OutsideCost:
         part, fwd_peak_bytes=part.fwd_peak_bytes + over,
         bwd_peak_bytes=part.bwd_peak_bytes + over,
         stepped_bwd_peak_bytes=None if stepped is None else stepped + over)
+
+
+def _root_gathered_again(part: OutsideCost, over: int) -> OutsideCost:
+    """The suffix's ``part`` where the root reshards after its forward: its backward
+    starts with the root's pre-backward all-gather, whose output (the root's size) and
+    the root's parameters gathered again into their storage are alive together at its
+    copy-out, before the suffix's own backward runs (a peak of its own, not one more on
+    the suffix's). The parameters are counted held through the step (``root``); the
+    output's bytes ``over`` a unit's buffer in flight are added here, as a floor of the
+    suffix's backward peak. The outside step measured none of it: its root is kept
+    gathered (:func:`remat.execute.sharding.root_kept_gathered`)."""
+    stepped = part.stepped_bwd_peak_bytes
+    return dataclasses.replace(
+        part, bwd_peak_bytes=max(part.bwd_peak_bytes, over),
+        stepped_bwd_peak_bytes=None if stepped is None else max(stepped, over))
 
 
 def _holding(part: OutsideCost, nbytes: int) -> OutsideCost:

@@ -266,6 +266,37 @@ def test_every_gradient_shard_is_counted_the_roots_too(free_port: int) -> None:
     _spawn(_check_every_gradient_shard_counted, free_port)
 
 
+def _check_root_gathers_counted_once(rank: int) -> None:
+    # Where the root reshards after its forward, the outside step's prefix once measured
+    # the root's all-gather (its output and its parameters, twice the root's size), which
+    # the sharded profile counts too: 16 MiB twice on a Llama of vocabulary 8192. The
+    # outside step now keeps the root gathered (remat.execute.sharding.root_kept_gathered),
+    # so its figures are those of a root that keeps its parameters, and the root is put
+    # back as it was.
+    import remat
+    from remat.execute.sharding import sharded_unit
+
+    figures = {}
+    for root_reshards in (True, False):
+        model, batch = _sharded_gpt(reshard_after_forward=True)
+        model.set_reshard_after_forward(root_reshards, recurse=False)
+        opt = torch.optim.AdamW(model.parameters())
+        prof = remat.profile(model, batch, optimizer=opt)
+        assert sharded_unit(model).reshard_after_forward is root_reshards, "put back"
+        model(**batch)  # the root's post-forward reshards it, or not, as before
+        gathered = model._get_fsdp_state()._fsdp_param_group.is_unsharded
+        assert gathered is not root_reshards, (root_reshards, gathered)
+        figures[root_reshards] = (prof.prefix.fwd_peak_bytes, prof.suffix.bwd_peak_bytes,
+                                  prof.meta["fsdp_root_gathered_bytes"])
+    (fwd_t, bwd_t, root), (fwd_f, bwd_f, _) = figures[True], figures[False]
+    assert abs(fwd_t - fwd_f) < root // 2, (fwd_t, fwd_f, root)
+    assert abs(bwd_t - bwd_f) < root // 2, (bwd_t, bwd_f, root)
+
+
+def test_the_roots_all_gathers_are_counted_once(free_port: int) -> None:
+    _spawn(_check_root_gathers_counted_once, free_port)
+
+
 def _check_twins_decided_apart(rank: int) -> None:
     # Whether the second of a group of twins matches the first is each rank's own decision,
     # on bytes FSDP2's and gloo's buffers make vary by rank. Rank 1 here decides that every

@@ -9,6 +9,8 @@ public accessor, read defensively (``True``, FSDP2's default, when it cannot be 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +20,7 @@ from remat.core.errors import PlanMismatchError
 from remat.core.plan import Plan
 
 __all__ = ["ShardedUnit", "check_world_size", "is_sharded", "refusal_on_every_rank",
-           "sharded_inside", "sharded_unit", "world_size"]
+           "root_kept_gathered", "sharded_inside", "sharded_unit", "world_size"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -161,6 +163,43 @@ def _reshards_after_forward(module: nn.Module) -> bool:
     if group is None:
         return True
     return getattr(group, "post_forward_mesh_info", True) is not None
+
+
+@contextmanager
+def root_kept_gathered(model: nn.Module) -> Iterator[None]:
+    """Within: ``model``'s own FSDP2 parameters (the root's: embeddings, the head, in no
+    unit) gathered from the start and kept gathered to the end of the backward, where
+    FSDP2's post-backward reshards them as usual; outside, as they were.
+
+    For the profiler's outside step (:mod:`remat.profiler.outside`), whose windows are to
+    measure the code outside the units and not FSDP2's traffic, which
+    :func:`remat.profiler.sharded.sharded_profile` counts where FSDP2 makes it. Where the
+    root reshards after its forward (``reshard_after_forward=True`` given to the root),
+    the step all-gathers its parameters in the prefix's forward and again in the
+    suffix's backward: those windows measured both, over what the sharded profile counts
+    of the root (16 MiB twice, the root's size, on a Llama-style model with a vocabulary
+    of 8192 on 2 ranks). With FSDP2's default the root keeps them gathered (its
+    ``reshard_after_forward`` is set to ``False``) and nothing changes. It holds no more
+    than a step does: the root's parameters are gathered through every forward.
+    Its price: one all-gather of the root, which the step's forward would have made.
+    """
+    cls = _fsdp_module_class()
+    if cls is None or not isinstance(model, cls) or not _reshards_after_forward(model):
+        yield
+        return
+    # Put back as they were (an HSDP root may reshard onto a smaller mesh: not a bool).
+    groups = model._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    was = [g.post_forward_mesh_info for g in groups]
+    model.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+    try:
+        model.unshard()  # type: ignore[operator]
+        yield
+    except BaseException:
+        model.reshard()  # type: ignore[operator]  # the backward that would have did not run
+        raise
+    finally:
+        for group, info in zip(groups, was, strict=True):
+            group.post_forward_mesh_info = info
 
 
 def check_world_size(model: nn.Module, plan: Plan) -> None:
