@@ -195,6 +195,7 @@ def build_profile(
         output_bytes=base.output_bytes,
         last_output_kept=base.last_output_kept,
         grad_in_flight_bytes=m.grads.in_flight_bytes,
+        unreduced_grad_bytes=m.base.unreduced_grad_bytes,
         carried_bytes=(base.loss_storage_bytes + base.output_bytes
                        + (units[-1].output_bytes if base.last_output_kept else 0)),
         shared=_shared_tensors(base),

@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.core.errors import ProfileError
 from remat.execute.boundary import boundary_input, boundary_output
+from remat.execute.sharding import unreduced_grad_bytes
 from remat.measurement.runner import StepRunner, output_tensors
 from remat.measurement.storage import storage_nbytes
 from remat.profiler.records import (
@@ -114,6 +115,10 @@ class _StepWatch:
         self.side_users: dict[int, list[int]] = {}  # storage record -> units handed it
         self.side_grad: dict[int, int] = {}  # storage record -> bytes of its gradient
         self.handles: list[Any] = []
+        # FSDP2's root's unsharded gradients at the units' backward marks (read by
+        # ``read_unreduced``; see Profile.unreduced_grad_bytes).
+        self.read_unreduced: Callable[[], int] = lambda: 0
+        self.unreduced = 0
         self.start = self.forward_end = self.backward_end = self.mark()
 
     def mark(self) -> _Mark:
@@ -161,6 +166,9 @@ class _StepWatch:
                 return
             mark = self.mark()
             setattr(u, f"bwd_{which}", mark)
+            # They only grow until the root's post-backward, after every mark: the last
+            # reading has them all, the head's whether the suffix or a unit made it.
+            self.unreduced = max(self.unreduced, self.read_unreduced())
             self.backward_marks.append((which, u, mark))
             if which == "end":
                 u.input_grad_bytes = storage_nbytes(grad)
@@ -225,6 +233,7 @@ def instrumented_step(
     with stubbed([m for _, m in units], clock) as clock, meter:
         clock.new_step(shapes_only=False)
         watch = _StepWatch(meter, units)
+        watch.read_unreduced = lambda: unreduced_grad_bytes(model)
         try:
             for _, m in units:
                 watch.handles.append(m.register_forward_pre_hook(watch.pre_hook, with_kwargs=True))
@@ -281,7 +290,8 @@ def instrumented_step(
                   != watch.backward_phase(in_flight[rec][1]),
                   *_ready(watch, param_id))
         for rec, (tick, param_id) in grad_records.items())
-    return replace(step, loss_storage_bytes=loss_storage_bytes, param_grads=grads)
+    return replace(step, loss_storage_bytes=loss_storage_bytes, param_grads=grads,
+                   unreduced_grad_bytes=watch.unreduced)
 
 
 def _ready(w: _StepWatch, param_id: int) -> tuple[Phase | None, int]:

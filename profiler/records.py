@@ -322,6 +322,7 @@ class OutsideStep:
     # (see where it is computed).
     units_inputs_dying: tuple[int, ...] = ()
     suffix_fwd_peak_inputs_held: int = 0
+    unreduced_grad_bytes: int = 0  # FSDP2's root's unsharded gradients before the prefix's backward
 
     @property
     def n(self) -> int:

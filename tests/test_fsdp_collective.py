@@ -297,6 +297,38 @@ def test_the_roots_all_gathers_are_counted_once(free_port: int) -> None:
     _spawn(_check_root_gathers_counted_once, free_port)
 
 
+def _check_unreduced_root_grads_counted(rank: int) -> None:
+    # The head's gradient, made in the suffix's backward (or, as here, by the head made a
+    # unit), waits unsharded for the root's reduce-scatter at the end of the backward:
+    # alive through every unit's backward after it,
+    # where no figure had it (8 MiB on a Llama of vocabulary 8192, which the buffers
+    # counted in flight hid to within 0.98 MiB of a kept unit's real backward).
+    import remat
+    from remat.execute.sharding import unreduced_grad_bytes
+
+    model, batch = _sharded_llama()
+    opt = torch.optim.AdamW(model.parameters())
+    prof = remat.profile(model, batch, optimizer=opt)
+    seen: list[int] = []
+
+    def at_backward(module: torch.nn.Module, args: tuple, output: object) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden.register_hook(lambda grad: seen.append(unreduced_grad_bytes(model)))
+
+    for layer in model.model.layers:
+        layer.register_forward_hook(at_backward)
+    model(**batch).loss.backward()
+    head = model.lm_head.weight
+    assert prof.unreduced_grad_bytes >= head.numel() * head.element_size(), prof
+    assert seen and max(seen) == prof.unreduced_grad_bytes, (seen, prof.unreduced_grad_bytes)
+    assert prof.extra_grad_in_flight_bytes >= prof.unreduced_grad_bytes
+
+
+def test_the_roots_unsharded_gradients_are_counted_through_the_backward(
+        free_port: int) -> None:
+    _spawn(_check_unreduced_root_grads_counted, free_port)
+
+
 def _check_twins_decided_apart(rank: int) -> None:
     # Whether the second of a group of twins matches the first is each rank's own decision,
     # on bytes FSDP2's and gloo's buffers make vary by rank. Rank 1 here decides that every

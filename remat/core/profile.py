@@ -526,6 +526,12 @@ class Profile:
             profile's device (the CPU generator's state on CPU; a GPU's states are
             host tensors, so 0 there). Inside the ``checkpoint`` option's own
             ``bwd_peak_bytes``; a multi-unit segment adds it to its recomputation.
+        unreduced_grad_bytes: on a model sharded with FSDP2, the root's unsharded
+            gradients made before the prefix's backward (a head's, by the suffix or by
+            a unit the head is), which wait for the root's reduce-scatter at the end of
+            the backward: counted from the suffix's backward through the prefix's
+            (``extra_grad_in_flight_bytes``; over, never under, where a unit made
+            them). 0 elsewhere.
 
     Every byte figure here and in the units is an int in ``[0, MAX_BYTES]``, every
     time a finite float in ``[0, MAX_MS]`` milliseconds; anything else (a string,
@@ -557,6 +563,7 @@ class Profile:
     coverage: float | None = None
     head: HeadProfile | None = None
     recompute_rng_bytes: int = 0
+    unreduced_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", checked_list(self.units, "Profile.units", ProfileError))
@@ -671,9 +678,12 @@ class Profile:
 
     @property
     def extra_grad_in_flight_bytes(self) -> int:
-        """Partial-gradient bytes that are extra in this loop (see ``grad_in_flight_bytes``)."""
+        """Gradient bytes alive from the suffix's backward to the end of the prefix's
+        beside the parameters' gradients: partial sums extra in this loop (see
+        ``grad_in_flight_bytes``), and the unsharded gradients a sharded model's root
+        holds for its reduce-scatter (``unreduced_grad_bytes``)."""
         extra = self.grads_alive_at_start or self.optimizer_in_backward
-        return self.grad_in_flight_bytes if extra else 0
+        return (self.grad_in_flight_bytes if extra else 0) + self.unreduced_grad_bytes
 
     @property
     def optimizer_in_backward(self) -> bool:
@@ -882,6 +892,7 @@ _PROFILE_INTS = (
     "grad_in_flight_bytes",
     "batch_bytes",
     "recompute_rng_bytes",
+    "unreduced_grad_bytes",
 )
 
 

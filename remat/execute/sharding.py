@@ -20,7 +20,8 @@ from remat.core.errors import PlanMismatchError
 from remat.core.plan import Plan
 
 __all__ = ["ShardedUnit", "check_world_size", "is_sharded", "refusal_on_every_rank",
-           "root_kept_gathered", "sharded_inside", "sharded_unit", "world_size"]
+           "root_kept_gathered", "root_owned_grad_bytes", "sharded_inside", "sharded_unit",
+           "unreduced_grad_bytes", "world_size"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -163,6 +164,36 @@ def _reshards_after_forward(module: nn.Module) -> bool:
     if group is None:
         return True
     return getattr(group, "post_forward_mesh_info", True) is not None
+
+
+def unreduced_grad_bytes(model: nn.Module) -> int:
+    """The bytes of the unsharded gradients ``model``'s own FSDP2 parameters (the root's:
+    embeddings, the head) hold now, waiting for the root's reduce-scatter; 0 where
+    ``model`` is no ``fully_shard``-ed module or its state cannot be read.
+
+    FSDP2 reduce-scatters the root's gradients in its post-backward, which for a root
+    whose inputs need no gradient runs at the end of the backward: a head's gradient,
+    made in the suffix's backward, stays unsharded through every unit's backward (8 MiB,
+    the head of a Llama with a vocabulary of 8192, on every rank)."""
+    cls = _fsdp_module_class()
+    if cls is None or not isinstance(model, cls):
+        return 0
+    try:
+        groups = model._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+        params = [fp._unsharded_param for g in groups for fp in g.fsdp_params
+                  if hasattr(fp, "_unsharded_param")]
+    except AttributeError:
+        return 0
+    return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+
+
+def root_owned_grad_bytes(module: nn.Module, root: nn.Module) -> int:
+    """The unsharded gradients of ``module``'s trainable parameters, a module that is no
+    ``fully_shard``-ed module of its own (its parameters are ``root``'s): as the backward
+    makes them, in ``root``'s ``param_dtype`` where its mixed-precision policy sets one.
+    They wait for ``root``'s reduce-scatter (:func:`unreduced_grad_bytes`)."""
+    param_dtype, _ = _mixed_precision(root)
+    return sum(_bytes(p, param_dtype) for p in module.parameters() if p.requires_grad)
 
 
 @contextmanager
