@@ -137,8 +137,9 @@ step's window of the suffix's backward measures FSDP2's prefetch of the last uni
 which the buffers in flight count too (about a unit on the Llamas; not seen on the
 tests' GPT, so not subtracted). Margins left over each phase, two of them the buffers in
 flight (2 ranks, floor and no checkpointing, 4 runs, every ``reshard_after_forward``,
-the Llamas and the tests' GPT): 0.42 to 1.00 unit in a unit's forward, 1.77 to 3.25
-units in the backward's phases; the optimizer step exact.
+the Llamas, bf16 among them, and the tests' GPT): 0 to 1.25 units in a unit's forward
+(0 once, the GPT's floor under False, a run a unit higher than the others: the envelope
+at its edge), 1.69 to 3.25 units in the backward's phases; the optimizer step exact.
 The other candidates measured as counted: the root's parameters are alive from the
 forward to the end of the backward; ``2 * gathered`` in a backward is the
 unit's gradients (in the replays' peak), its reduce-scatter input and gloo's second
@@ -302,9 +303,11 @@ def _root_gathered_again(part: OutsideCost, floor: int) -> OutsideCost:
     chunked so that the suffix's own backward is small, 4 ranks, 4 runs): the worst run
     of the suffix's backward held the root's parameters and its output, and two unit
     buffers more than the least (101.95 MiB against 95.96). With the root's output
-    alone as the floor, the prediction met that worst run to 4 B, with the output less
-    a unit it was 0.5% below one run of ``benchmarks/fsdp.py`` (22:32 UTC); the last
-    unit's parameters keep the margin of a unit the other phases have."""
+    alone as the floor, the prediction met that worst run to 4 B; the last unit's
+    parameters keep the margin of a unit the other phases have. (A run of
+    ``benchmarks/fsdp.py`` at 22:32 UTC, with the output less a unit as the floor and
+    before the root's unsharded gradients were counted, had one plan 0.5% below its
+    allocator's worst run.)"""
     stepped = part.stepped_bwd_peak_bytes
     return dataclasses.replace(
         part, bwd_peak_bytes=max(part.bwd_peak_bytes, floor),
