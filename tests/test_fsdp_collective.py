@@ -329,6 +329,30 @@ def test_the_roots_unsharded_gradients_are_counted_through_the_backward(
     _spawn(_check_unreduced_root_grads_counted, free_port)
 
 
+def _check_ranks_agree_on_one_more_step(rank: int) -> None:
+    # A measured step runs one more whole step where something outlived the loop's
+    # variables, a decision each rank took on its own: rank 1 here keeps an activation
+    # (as a hook that caches would), rank 0 does not. Before the ranks agreed on it,
+    # rank 1's extra step waited in its all-gather for rank 0, which had gone on (a hang,
+    # in a CI run of test_solve_on_the_sharded_model_one_plan_within_budget_same_gradients).
+    # Measured as verification measures a plan's step (remat.tune.verify.measure_plan).
+    from remat.measurement.step import measure_step
+
+    model, batch = _sharded_gpt()
+    opt = torch.optim.AdamW(model.parameters())
+    kept: list = []
+    if rank == 1:
+        model.blocks[0].register_forward_hook(
+            lambda module, args, output: kept.append(output))
+    measured = measure_step(model, batch, optimizer=opt, warmup=0, repeats=0,
+                            allocator=True, held=False)
+    assert measured.worst_peak_bytes > 0
+
+
+def test_the_ranks_agree_on_one_more_measured_step(free_port: int) -> None:
+    _spawn(_check_ranks_agree_on_one_more_step, free_port)
+
+
 def _check_twins_decided_apart(rank: int) -> None:
     # Whether the second of a group of twins matches the first is each rank's own decision,
     # on bytes FSDP2's and gloo's buffers make vary by rank. Rank 1 here decides that every

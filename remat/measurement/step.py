@@ -186,7 +186,7 @@ def _measured_cycles(runner: StepRunner, steps: int, state: ModelState | None,
     if (steps == 1 and state is not None and dispatch is not None
             and _repeats_itself(runner, ahead)):
         unseen = _step_then_forward(runner, state, dispatch, regions)
-        if dispatch.live_bytes == 0:
+        if _most_over_ranks(dispatch.live_bytes) == 0:
             return
         log.debug("measured step: %d B outlive the loop's variables; one more whole step",
                   dispatch.live_bytes)
@@ -248,8 +248,30 @@ def _other_ranks_step() -> bool:
     than one): the decision on the next forward is each rank's own, and a rank that
     skipped it would leave the others' collectives in it (FSDP's all-gathers, DDP's
     buffer broadcast) waiting, so there it always runs."""
+    return _world_size() > 1
+
+
+def _world_size() -> int:
+    """How many ranks run this step (``torch.distributed``'s default group; 1 without it)."""
     dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _most_over_ranks(nbytes: int) -> int:
+    """The largest ``nbytes`` over the ranks that run this step beside this one (one
+    ``all_gather_object`` over the default group), ``nbytes`` where none does.
+
+    Whether one more whole step runs is decided on what outlived the loop's variables,
+    which differs by rank (a buffer gloo's worker lets go late): a rank that ran it alone
+    left the others' collectives waiting, and a CI run hung on it (2026-11-29, the
+    tests' GPT under FSDP2: one rank in its extra step's all-gather, the other in
+    verification's next collective). Its cost: one small collective per measured step."""
+    world = _world_size()
+    if world == 1:
+        return nbytes
+    every: list[int | None] = [None] * world
+    torch.distributed.all_gather_object(every, nbytes)
+    return max(n for n in every if n is not None)
 
 
 def _allocator_bound_holds(regions: AllocatorRegions | None, forward_mark: int) -> bool:
