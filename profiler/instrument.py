@@ -102,7 +102,8 @@ class _UnitWatch:
 class _StepWatch:
     """The meter, the units' records, and who saved what, for one instrumented step."""
 
-    def __init__(self, meter: TimelineMeter, units: list[tuple[str, nn.Module]]) -> None:
+    def __init__(self, meter: TimelineMeter, units: list[tuple[str, nn.Module]],
+                 read_unreduced: Callable[[], int] = lambda: 0) -> None:
         self.meter = meter
         self.units = [_UnitWatch(i, name) for i, (name, _) in enumerate(units)]
         self.by_module = {id(m): self.units[i] for i, (_, m) in enumerate(units)}
@@ -117,7 +118,7 @@ class _StepWatch:
         self.handles: list[Any] = []
         # FSDP2's root's unsharded gradients at the units' backward marks (read by
         # ``read_unreduced``; see Profile.unreduced_grad_bytes).
-        self.read_unreduced: Callable[[], int] = lambda: 0
+        self.read_unreduced = read_unreduced
         self.unreduced = 0
         self.start = self.forward_end = self.backward_end = self.mark()
 
@@ -232,8 +233,7 @@ def instrumented_step(
     grad_records: dict[int, tuple[int, int]] = {}  # gradient record -> (tick, id(param))
     with stubbed([m for _, m in units], clock) as clock, meter:
         clock.new_step(shapes_only=False)
-        watch = _StepWatch(meter, units)
-        watch.read_unreduced = lambda: unreduced_grad_bytes(model)
+        watch = _StepWatch(meter, units, lambda: unreduced_grad_bytes(model))
         try:
             for _, m in units:
                 watch.handles.append(m.register_forward_pre_hook(watch.pre_hook, with_kwargs=True))
