@@ -37,6 +37,7 @@ from remat.core.errors import ProfileError
 from remat.execute.autocast import outside_autocast
 from remat.execute.boundary import boundary_input, boundary_output
 from remat.execute.kv_cache import is_kv_cache, warn_kv_cache_once
+from remat.execute.output_capture import outside_output_capture
 from remat.measurement.state import RngState
 from remat.profiler.records import Captured, ChainCheck, UnitCall, UnitTrace
 
@@ -264,7 +265,7 @@ class _Tracer:
         unit's buffers put back, so the forward goes on as if nothing had run."""
         buffers = [(b, b.detach().clone()) for b in module.buffers()]
         try:
-            with outside_autocast(), saving_as_autograd_does():
+            with outside_autocast(), saving_as_autograd_does(), outside_output_capture():
                 self.on_unit(call)
         finally:
             call.release()

@@ -353,6 +353,48 @@ def test_the_ranks_agree_on_one_more_measured_step(free_port: int) -> None:
     _spawn(_check_ranks_agree_on_one_more_step, free_port)
 
 
+def _check_failed_backward_recovered(rank: int) -> None:
+    # Profiling catches a device running out of memory in a step's backward (the head as
+    # written, on a device sized for a plan) and goes on. FSDP2 marks its end-of-backward
+    # callback queued and a backward that raises never runs it: no later backward queued
+    # it again, every unit stayed gathered in the next forwards, the root's gradients were
+    # never reduce-scattered, and the user's gradients came out unsharded after solve
+    # returned (a Mixtral planned inside a device of its floor budget). ModelState puts
+    # FSDP2's iteration state back (remat.measurement.state._recover_fsdp).
+    from remat.measurement.state import training_session
+
+    model, batch = _sharded_gpt()
+    untouched, _ = _sharded_gpt()
+
+    def out_of_memory(grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("a device of the budget (the test's)")
+
+    def failing(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(out_of_memory)  # the backward raises there
+
+    with training_session(model) as state:
+        hook = model.blocks[1].register_forward_hook(failing)
+        with pytest.raises(torch.OutOfMemoryError):
+            model(**batch).loss.backward()
+        hook.remove()
+        state.between_passes()  # as profiling does after catching it
+        model(**batch).loss.backward()  # the next pass
+    with training_session(model):
+        hook = model.blocks[1].register_forward_hook(failing)
+        with pytest.raises(torch.OutOfMemoryError):  # and one that ends the session
+            model(**batch).loss.backward()
+        hook.remove()
+    for m in (model, untouched):
+        m(**batch).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), untouched.parameters(), strict=True):
+        assert type(p.grad) is type(q.grad), name  # a DTensor: the shard, reduce-scattered
+        assert torch.equal(p.grad.to_local(), q.grad.to_local()), name
+
+
+def test_fsdp2_is_put_back_after_a_backward_that_ran_out_of_memory(free_port: int) -> None:
+    _spawn(_check_failed_backward_recovered, free_port)
+
+
 def _check_twins_decided_apart(rank: int) -> None:
     # Whether the second of a group of twins matches the first is each rank's own decision,
     # on bytes FSDP2's and gloo's buffers make vary by rank. Rank 1 here decides that every

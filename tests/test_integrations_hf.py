@@ -251,3 +251,31 @@ def test_a_mixtral_trains_bitwise_as_before_after_solve() -> None:
         out.loss.backward()
     for (name, p), q in zip(model.named_parameters(), untouched.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_the_profilers_replays_add_nothing_to_the_forwards_captured_outputs() -> None:
+    # The profiler replays each unit inside the model's own forward (the capture pass).
+    # transformers' output-capturing hooks appended each replay's router logits to that
+    # forward's collector, with their graphs: what the replays saved stayed alive unit
+    # after unit (on fsdp_unseen's Mixtral, enough to run profiling out of a device of the
+    # floor budget), and the forward's output carried the replays' logits
+    # (remat.execute.output_capture).
+    import transformers
+
+    import remat
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
+    model = transformers.MixtralForCausalLM(config).train()
+    ids = torch.randint(0, 512, (2, 32))
+    captured: list[int] = []
+
+    def loss_fn(output, batch):  # noqa: ANN001, ANN202
+        captured.append(len(output.router_logits))
+        return output.loss
+
+    remat.profile(model, {"input_ids": ids, "labels": ids}, loss_fn=loss_fn)
+    assert captured and set(captured) == {config.num_hidden_layers}, captured

@@ -222,6 +222,7 @@ class ModelState:
     _rng: RngState | None = None
     _optimizer_state: OptimizerSnapshot | None = None
     _sharded: list[nn.Module] = field(default_factory=list)  # FSDP2 modules sharded then
+    _fsdp_roots: list[nn.Module] = field(default_factory=list)  # outermost FSDP2 modules
 
     @classmethod
     def capture(
@@ -250,6 +251,7 @@ class ModelState:
         s._training = [(m, m.training) for m in model.modules()]
         s._dicts = [_ModuleDict.capture(m) for m in model.modules()]
         s._sharded = _sharded_fsdp(model)
+        s._fsdp_roots = _fsdp_roots(model)
         s._rng = RngState.capture()
         if optimizer is not None:
             # Copied now, before a step updates the live state tensors in place.
@@ -275,9 +277,17 @@ class ModelState:
         """What every measured pass starts from: no gradient, the RNG state and the
         buffers as captured (the profiler's passes; ``outside``, ``outside_time`` and
         ``profile`` call it between theirs)."""
+        self.recover_sharding()
         clear_grads(self.params)
         self.rng.restore()
         self.restore_buffers()
+
+    def recover_sharding(self) -> None:
+        """FSDP2's per-iteration state put back where an error ended a step mid-way
+        (:func:`_recover_fsdp`); nothing to do after a step that completed, or off FSDP2.
+        :meth:`between_passes` and :meth:`restore` call it; so does a pass that goes on
+        after catching an error from a step of its own."""
+        _recover_fsdp(self._fsdp_roots)
 
     def restore_param_values(self) -> None:
         """Put back the parameters' values (copied only with an optimizer: without one,
@@ -295,6 +305,7 @@ class ModelState:
 
     def restore(self) -> None:
         """Put everything back as it was at :meth:`capture`."""
+        self.recover_sharding()
         _reshard_fsdp(self._sharded)
         # Module dicts first: they put back the original parameter and buffer objects,
         # whose values are restored next.
@@ -331,6 +342,69 @@ def _sharded_fsdp(model: nn.Module) -> list[nn.Module]:
 
     return [m for m in model.modules() if isinstance(m, fsdp)
             and any(isinstance(p, DTensor) for p in managed(m))]
+
+
+def _fsdp_roots(model: nn.Module) -> list[nn.Module]:
+    """``model``'s outermost FSDP2 modules (FSDP2's roots: the modules ``fully_shard``
+    was applied to last), in the order of ``model.modules()``."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is None:
+        return []
+    roots: list[nn.Module] = []
+    inner: set[int] = set()
+    for module in model.modules():
+        if id(module) in inner or not isinstance(module, fsdp):
+            continue
+        roots.append(module)
+        inner.update(id(m) for m in module.modules())
+    return roots
+
+
+def _recover_fsdp(roots: list[nn.Module]) -> None:
+    """FSDP2's per-iteration state put back where a step ended mid-way by an error (a
+    device out of memory, which profiling and verification catch and go on from); a
+    no-op after a step that completed.
+
+    Why: FSDP2 queues its end-of-backward callback once per iteration and marks it
+    queued; a backward that raises never runs it, so the mark stays and no later
+    backward queues it again. Every FSDP state then stays in its backward state: later
+    forwards keep every unit's parameters gathered (FSDP2 gathers them there for a
+    recomputation), the root's gradients are never reduce-scattered, and every gradient
+    comes out unsharded ((4096, 128) where the shard is (2048, 128)), in remat's next
+    passes and in the user's training after ``solve`` returned. Found 2026-11-29: a
+    Mixtral under FSDP2 planned inside a device of its floor budget, where the head as
+    written ran out of memory in its backward, as profiling lets it.
+
+    FSDP2's own recovery, ``FSDPModule.reset_iter_state()`` on the root, waits for
+    collectives in flight, reshards every group and clears the iteration's state. The
+    gradients the failed backward left on gathered parameters go too: the next backward
+    would add to them. The price: reading FSDP2's state once per pass (private
+    attributes, read defensively: where they are missing nothing is done)."""
+    for root in roots:
+        state = getattr(root, "_get_fsdp_state", lambda: None)()
+        ctx = getattr(state, "_state_ctx", None)
+        if ctx is None or not _fsdp_mid_iteration(ctx):
+            continue
+        reset = getattr(root, "reset_iter_state", None)
+        if reset is not None:
+            reset()
+        for each in getattr(ctx, "all_states", ()):
+            for group in getattr(each, "_fsdp_param_groups", ()):
+                for fsdp_param in getattr(group, "fsdp_params", ()):
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+                    if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                        fsdp_param.unsharded_accumulated_grad = None
+
+
+def _fsdp_mid_iteration(ctx: Any) -> bool:
+    """Whether FSDP2's shared state ``ctx`` is inside an iteration: its end-of-backward
+    callback queued, or a state not idle."""
+    if getattr(ctx, "post_backward_final_callback_queued", False):
+        return True
+    return any(getattr(getattr(s, "_training_state", None), "name", "IDLE") != "IDLE"
+               for s in getattr(ctx, "all_states", ()))
 
 
 def _reshard_fsdp(modules: list[nn.Module]) -> None:

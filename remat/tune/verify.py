@@ -120,8 +120,10 @@ def verified(
             log.warning("remat: round %d's plan ran out of device memory (%s)", round_,
                         " ".join(str(err).split())[:200])
             peak, time_ms = budget_bytes + max(budget_bytes // 100, 1), None
+            how = "counted (out of memory)"
         else:
             peak, time_ms = measured.worst_peak_bytes, measured.time_ms
+            how = "measured"
         plan = plan.with_(verification=Verification(round_, target, peak, time_ms))
         if peak <= budget_bytes:
             log.info("remat: plan verified in round %d: measured %s, predicted %s, budget %s",
@@ -131,8 +133,8 @@ def verified(
             return plan
         excess = peak - budget_bytes
         target -= excess
-        log.warning("remat: round %d's plan measured %s, %s over the budget (predicted %s); "
-                    "solving again for %s below the budget", round_, format_bytes(peak),
+        log.warning("remat: round %d's plan %s %s, %s over the budget (predicted %s); "
+                    "solving again for %s below the budget", round_, how, format_bytes(peak),
                     format_bytes(excess), format_bytes(plan.record.predicted_peak_bytes or 0),
                     format_bytes(budget_bytes - target))
         try:
@@ -142,7 +144,7 @@ def verified(
         except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(
                 budget_bytes, err.min_feasible_bytes + (budget_bytes - target),
-                f"Round {round_}'s plan measured {format_bytes(peak)}; the plans' measured "
+                f"Round {round_}'s plan {how} {format_bytes(peak)}; the plans' measured "
                 f"peaks run {format_bytes(budget_bytes - target)} above their predictions on "
                 "this model, so the smallest budget that measures within is about that much "
                 "above the smallest predicted peak",

@@ -1,0 +1,67 @@
+"""Hugging Face's output capture, kept out of the profiler's replays.
+
+A ``transformers`` model records some of its submodules' outputs (a mixture of experts'
+router logits, for its auxiliary loss; attention weights, hidden states) by forward
+hooks that append to a collector. The top-level forward sets the collector, in a
+``ContextVar``, for the time of its call, and reads it when the call returns.
+
+The profiler replays each unit inside that call, at the unit's own call (the capture
+pass: :mod:`remat.profiler.capture`). Without care, each replay's recorded outputs are
+appended to the live forward's collector, with their autograd graphs. A replay's
+backward starts from the unit's output alone, so the part of the graph that only
+the router logits reach is never run, and what it saved stays alive until the
+top-level call returns. Checkpoint's recomputed tensors for those nodes stay alive
+too. Unit after unit, that is profiling holding more than the step it plans. On the
+4-layer Mixtral of ``benchmarks/fsdp_unseen.py`` under FSDP2, 10.0 MiB of the first
+layer's replays were alive when the second layer's ran, and that replay ran out of a
+device of the floor budget (43.85 MiB a rank). On a 2-layer Mixtral the forward's
+output carried 20 router logits instead of 2
+(``tests/test_integrations_hf.py::test_the_profilers_replays_add_nothing_to_the_forwards_captured_outputs``).
+
+So the replays run with the collector unset, as a recomputation in the backward does:
+the backward runs after the top-level call has reset it. A replay then records nothing.
+What a real step's collector keeps of a unit (its router logits, tokens x experts) is
+in the verified step's measurement, not in a replay's figures.
+
+The price: none at run time; a ``ContextVar`` set and reset per unit while profiling.
+Only transformers' own collector is unset (other context variables, such as torch's
+configuration patches, are left alone). Older transformers, without the collector,
+are left as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["outside_output_capture"]
+
+# Where transformers keeps the collector its output-capturing hooks append to.
+_COLLECTOR_MODULES = ("transformers.utils.output_capturing", "transformers.utils.generic")
+
+
+def _collector() -> Any:
+    """transformers' active-collector variable, or None where transformers is not
+    imported (remat never imports it) or has none."""
+    for name in _COLLECTOR_MODULES:
+        var = getattr(sys.modules.get(name), "_active_collector", None)
+        if var is not None and hasattr(var, "set") and hasattr(var, "reset"):
+            return var
+    return None
+
+
+@contextlib.contextmanager
+def outside_output_capture() -> Iterator[None]:
+    """Run the block with transformers' output collector unset, so that forward hooks
+    record nothing of it (module docstring); the collector is put back after."""
+    var = _collector()
+    if var is None or var.get() is None:
+        yield
+        return
+    token = var.set(None)
+    try:
+        yield
+    finally:
+        var.reset(token)
