@@ -124,7 +124,7 @@ def check_head_rewrite(runner: StepRunner, site: HeadSite, state: ModelState) ->
                 return HeadCheck(f"the step fails with the head chunked ({type(err).__name__}: "
                                  f"{text})")
     finally:
-        state.recover_sharding()  # a step that raised leaves FSDP2 mid-iteration
+        state.recover_wrappers()  # a step that raised leaves FSDP2 mid-iteration
         state.rng.restore()
         state.restore_buffers()
     if use is not None:

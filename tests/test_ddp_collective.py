@@ -161,6 +161,40 @@ def test_a_rank_with_another_budget_gets_an_error_naming_it(free_port: int) -> N
     _spawn(_check_disagreeing_budget, free_port)
 
 
+def _check_failed_backward_recovered(rank: int) -> None:
+    # Verification catches a planned step running out of memory and measures the next
+    # round's plan through the wrapper: after a backward that raised, DDP's Reducer
+    # refused the next forward ("Expected to have finished reduction in the prior
+    # iteration"). ModelState resets it (remat.measurement.state._recover_ddp).
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from remat.measurement.state import training_session
+
+    model, batch = _gpt()
+    batch = _rank_batch(batch, rank)
+    ddp, untouched = DDP(model), DDP(copy.deepcopy(model))
+
+    def out_of_memory(grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("a device of the budget (the test's)")
+
+    def failing(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(out_of_memory)  # the backward raises there
+
+    with training_session(ddp):
+        hook = model.blocks[1].register_forward_hook(failing)
+        with pytest.raises(torch.OutOfMemoryError):
+            ddp(**batch).loss.backward()
+        hook.remove()
+    for m in (ddp, untouched):
+        m(**batch).loss.backward()
+    for (name, p), q in zip(ddp.named_parameters(), untouched.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name  # all-reduced alike
+
+
+def test_ddp_is_put_back_after_a_backward_that_ran_out_of_memory(free_port: int) -> None:
+    _spawn(_check_failed_backward_recovered, free_port)
+
+
 def test_zero_grad_without_freeing_keeps_gradients_that_are_bucket_views() -> None:
     # With gradient_as_bucket_view=True a gradient is a view of DDP's bucket: detach_()
     # refuses it; the runner zeroes it in place as torch's zero_grad does.

@@ -223,6 +223,7 @@ class ModelState:
     _optimizer_state: OptimizerSnapshot | None = None
     _sharded: list[nn.Module] = field(default_factory=list)  # FSDP2 modules sharded then
     _fsdp_roots: list[nn.Module] = field(default_factory=list)  # outermost FSDP2 modules
+    _ddp: list[nn.Module] = field(default_factory=list)  # DDP wrappers of the model
 
     @classmethod
     def capture(
@@ -252,6 +253,7 @@ class ModelState:
         s._dicts = [_ModuleDict.capture(m) for m in model.modules()]
         s._sharded = _sharded_fsdp(model)
         s._fsdp_roots = _fsdp_roots(model)
+        s._ddp = _ddp_wrappers(model)
         s._rng = RngState.capture()
         if optimizer is not None:
             # Copied now, before a step updates the live state tensors in place.
@@ -277,17 +279,18 @@ class ModelState:
         """What every measured pass starts from: no gradient, the RNG state and the
         buffers as captured (the profiler's passes; ``outside``, ``outside_time`` and
         ``profile`` call it between theirs)."""
-        self.recover_sharding()
+        self.recover_wrappers()
         clear_grads(self.params)
         self.rng.restore()
         self.restore_buffers()
 
-    def recover_sharding(self) -> None:
-        """FSDP2's per-iteration state put back where an error ended a step mid-way
-        (:func:`_recover_fsdp`); nothing to do after a step that completed, or off FSDP2.
-        :meth:`between_passes` and :meth:`restore` call it; so does a pass that goes on
-        after catching an error from a step of its own."""
+    def recover_wrappers(self) -> None:
+        """FSDP2's and DDP's per-iteration state put back where an error ended a step
+        mid-way (:func:`_recover_fsdp`, :func:`_recover_ddp`); nothing to do after a step
+        that completed, or off both. :meth:`between_passes` and :meth:`restore` call it;
+        so does a pass that goes on after catching an error from a step of its own."""
         _recover_fsdp(self._fsdp_roots)
+        _recover_ddp(self._ddp)
 
     def restore_param_values(self) -> None:
         """Put back the parameters' values (copied only with an optimizer: without one,
@@ -305,7 +308,7 @@ class ModelState:
 
     def restore(self) -> None:
         """Put everything back as it was at :meth:`capture`."""
-        self.recover_sharding()
+        self.recover_wrappers()
         _reshard_fsdp(self._sharded)
         # Module dicts first: they put back the original parameter and buffer objects,
         # whose values are restored next.
@@ -396,6 +399,41 @@ def _recover_fsdp(roots: list[nn.Module]) -> None:
                         unsharded.grad = None
                     if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
                         fsdp_param.unsharded_accumulated_grad = None
+
+
+def _ddp_wrappers(model: nn.Module) -> list[nn.Module]:
+    """The ``DistributedDataParallel`` wrappers among ``model``'s modules, and the one a
+    trainer's step replicates through (``replicated_by``, not a submodule:
+    :class:`remat.tune.replicated.ReplicatedStep`)."""
+    ddp = nn.parallel.DistributedDataParallel
+    found = [m for m in model.modules() if isinstance(m, ddp)]
+    outer = model.__dict__.get("replicated_by")
+    if isinstance(outer, ddp) and all(outer is not m for m in found):
+        found.append(outer)
+    return found
+
+
+def _recover_ddp(wrappers: list[nn.Module]) -> None:
+    """DDP's Reducer put back where a backward through it raised (a device out of memory
+    in a verified round, which verification catches and solves again from); a no-op
+    after a backward that completed.
+
+    Why: the Reducer expects the reduction it began to finish; after a backward that
+    raised, the next forward through the wrapper fails with "Expected to have finished
+    reduction in the prior iteration", so the next round could not be measured. The
+    Reducer's own reset (``_reset_state``, what torch uses when it swaps the process
+    group) runs only where its check (``_check_reducer_finalized``) says the reduction
+    is unfinished. The price: one check per pass; private methods, read defensively."""
+    for wrapper in wrappers:
+        reducer = getattr(wrapper, "reducer", None)
+        check = getattr(reducer, "_check_reducer_finalized", None)
+        reset = getattr(reducer, "_reset_state", None)
+        if check is None or reset is None:
+            continue
+        try:
+            check()
+        except RuntimeError:
+            reset()
 
 
 def _fsdp_mid_iteration(ctx: Any) -> bool:
