@@ -195,6 +195,41 @@ def test_ddp_is_put_back_after_a_backward_that_ran_out_of_memory(free_port: int)
     _spawn(_check_failed_backward_recovered, free_port)
 
 
+def _check_solve_inside_a_device_of_the_budget(rank: int) -> None:
+    # remat.solve settles DDP (its first step and bucket rebuild) before measuring: that
+    # step ran as written, the step the user could not fit, and a device of the budget
+    # ran out of memory before any plan was made (a raw torch.OutOfMemoryError out of
+    # solve). It runs under the most frugal plan of the rank's profile now.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import remat
+    from remat.measurement import SimulatedDevice, resident_bytes
+
+    model, batch = _gpt()
+    batch = _rank_batch(batch, rank)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters())
+    for _ in range(2):  # DDP's buckets rebuilt (the device cannot see the old ones go)
+        ddp(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    profile = remat.profile(ddp, batch, optimizer=opt)
+    unplanned = remat.solve(profile, None).record.predicted_peak_bytes
+    try:
+        remat.solve(profile, 1)
+    except remat.InfeasibleBudgetError as err:
+        floor = err.min_feasible_bytes
+    budget = floor + (unplanned - floor) // 4
+    with SimulatedDevice(budget, resident_bytes=resident_bytes(ddp, opt)) as device:
+        plan = remat.solve(ddp, batch, memory_budget=budget, optimizer=opt)
+    assert set(plan.options) != {"keep"}, plan.summary()
+    assert device.peak_bytes <= budget < unplanned
+
+
+def test_solve_on_ddp_runs_inside_a_device_of_the_budget(free_port: int) -> None:
+    _spawn(_check_solve_inside_a_device_of_the_budget, free_port)
+
+
 def test_zero_grad_without_freeing_keeps_gradients_that_are_bucket_views() -> None:
     # With gradient_as_bucket_view=True a gradient is a view of DDP's bucket: detach_()
     # refuses it; the runner zeroes it in place as torch's zero_grad does.

@@ -8,13 +8,7 @@ program, so every rank calls ``remat.solve(ddp_model, batch, memory_budget=...)`
 1. **agree** on the call (:func:`remat.tune.ranks.agree`: a barrier with a timeout,
    then each rank's model, batch shapes, budget, loop and settings compared; a rank that
    differs is a ``RematError`` naming it, on every rank, not a hang);
-2. **settle** the wrapper (:func:`settle`): one forward and backward through DDP (two
-   with ``static_graph``), its all-reduces run by every rank alike, and the Reducer's
-   bucket rebuild (DDP regroups the buckets in gradient order at its second step, its
-   third with ``static_graph``) done now, so that neither the
-   profile nor a measured step sees the wrapper's one-off first steps; the model is put
-   back as it was;
-3. **profile** their own micro-batch on the module inside the wrapper, or on a
+2. **profile** their own micro-batch on the module inside the wrapper, or on a
    trainer's step around it (:class:`ReplicatedStep`: the Lightning and Hugging Face
    callbacks under DDP); the Reducer's hooks stay idle outside a DDP forward, so the
    profiler's replays run no collective. Then count what DDP adds to the rank's step
@@ -23,6 +17,13 @@ program, so every rank calls ``remat.solve(ddp_model, batch, memory_budget=...)`
    ``gradient_as_bucket_view=False`` they are a second copy of the gradients; with
    ``True`` the gradients are views of them, so the buckets replace the gradients the
    backward would allocate;
+3. **settle** the wrapper (:func:`settle`): one forward and backward through DDP (two
+   with ``static_graph``, as written and before the profile: a known limit, see
+   :func:`profile_replicated`) under the most frugal plan the rank's profile allows, its
+   all-reduces run by every rank alike, and the Reducer's bucket rebuild (DDP regroups
+   the buckets in gradient order at its second step, its third with ``static_graph``)
+   done now, so that no measured step sees the wrapper's one-off first steps; the model
+   is put back as it was;
 4. **take the worst rank** (:func:`remat.tune.ranks.worst_profile`, the largest of
    every figure), so every rank solves one profile;
 5. **verify** (with a budget) with a real step through the wrapper on every rank (its
@@ -43,6 +44,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.core.loop import Loop
@@ -168,16 +170,27 @@ def _description(ddp: nn.parallel.DistributedDataParallel, batch: Any, budget: A
 
 
 def settle(model: nn.Module, batch: Any,
-           loss_fn: Callable[[Any, Any], Any] | None, loop: Loop | None) -> None:
-    """Run DDP's first step and its bucket rebuild now, and put the model back.
+           loss_fn: Callable[[Any, Any], Any] | None, loop: Loop | None,
+           frugal: Plan | None = None) -> None:
+    """Run DDP's first step and its bucket rebuild now, with ``frugal`` applied, and put
+    the model back.
 
     ``model``: the DDP model, or a :class:`ReplicatedStep` (run through its wrapper).
+    ``frugal``: the plan of the smallest peak the rank's profile allows
+    (:func:`_most_frugal`); ``None`` runs the step as written.
 
     Why: DDP's first backward records the order gradients arrive in, and the next
     forward reallocates the buckets in that order. A measured region holding that forward
     would count the new buckets and never see the old ones go (made before it): the
     buckets twice. One forward and backward through the wrapper (all-reduces on every
     rank alike), then the rebuild (a collective too), settles it for every step after.
+
+    Why under the most frugal plan: the step as written is the step the user could not
+    fit. On a device of the budget it ran out of memory before any plan was made: a raw
+    ``torch.OutOfMemoryError`` out of ``solve`` (``benchmarks/fsdp_in_device.py``'s DDP
+    Mixtral at its smallest feasible budget, 2026-11-29). Checkpointing recomputes within
+    a unit's backward, so the gradients arrive unit by unit in the same order and the
+    buckets are rebuilt as the plan's own steps would have them.
     """
     from remat.core.loop import loop_or_default
     from remat.measurement.runner import StepRunner, model_device
@@ -190,7 +203,8 @@ def settle(model: nn.Module, batch: Any,
     # ``find_unused_parameters`` (and no static graph) it never rebuilds: one step settles.
     steps = 2 if getattr(ddp, "static_graph", False) else 1
     rebuilt = False
-    with _through_wrapper(model) as stepped, training_session(stepped) as state:
+    with _out_of_memory_named(frugal), _through_wrapper(model) as stepped, \
+            training_session(stepped) as state, _applied(model, frugal):
         runner = StepRunner(stepped, batch, loss_fn, None, loop_or_default(loop),
                             model_device(stepped).type)
         for _ in range(steps):
@@ -204,6 +218,61 @@ def settle(model: nn.Module, batch: Any,
                 ddp._has_rebuilt_buckets = True  # as DDP's own forward records it
                 break
     log.info("remat: DDP settled in %d step(s) (buckets rebuilt now: %s)", steps, rebuilt)
+
+
+@contextlib.contextmanager
+def _out_of_memory_named(frugal: Plan | None) -> Iterator[None]:
+    """The device running out of memory while settling is a :class:`DeviceMemoryError`:
+    the step ran under the most frugal plan, so no plan fits (a budget at the smallest
+    feasible peak, which a real step can pass by a few bytes: verification refuses such a
+    budget by that much where the device lets it measure)."""
+    from remat.core.bytesize import format_bytes
+    from remat.core.errors import DeviceMemoryError
+
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        why = " ".join(str(err).split())[:200]
+        if frugal is None:
+            raise DeviceMemoryError(
+                f"DDP's first steps, run as written to settle its buckets (static_graph: "
+                f"remat.tune.replicated's known limit), ran out of device memory ({why}); "
+                "plan without static_graph, or on a device that fits the unplanned step"
+            ) from None
+        peak = frugal.record.predicted_peak_bytes
+        raise DeviceMemoryError(
+            "DDP's first step, run to settle its buckets under the most frugal plan "
+            f"({frugal.summary()}; predicted {format_bytes(peak) if peak else 'unknown'}), "
+            f"ran out of device memory ({why}): no plan fits this device; raise the budget "
+            "above that prediction, or use a smaller batch"
+        ) from None
+
+
+@contextlib.contextmanager
+def _applied(model: nn.Module, plan: Plan | None) -> Iterator[None]:
+    """``plan`` applied to ``model`` inside (nothing where ``None``), removed after."""
+    from remat.runtime import apply_plan, remove_plan
+
+    if plan is None:
+        yield
+        return
+    apply_plan(model, plan)
+    try:
+        yield
+    finally:
+        remove_plan(model)
+
+
+def _most_frugal(profile: Profile) -> Plan:
+    """The plan of the smallest peak ``profile`` allows (solved at the budget a byte's
+    budget says is the smallest feasible)."""
+    from remat.core.errors import InfeasibleBudgetError
+    from remat.solver.solve import solve_profile
+
+    try:
+        return solve_profile(profile, 1)
+    except InfeasibleBudgetError as err:
+        return solve_profile(profile, err.min_feasible_bytes)
 
 
 def _grads_held(part: OutsideCost, in_flight: int) -> OutsideCost:
@@ -260,10 +329,23 @@ def profile_replicated(
     group = _group(ddp)
     agree(_description(ddp, sample_batch, memory_budget, settings, call or {}),
           timeout_s=timeout_s, group=group)
-    settle(model, sample_batch, settings.loss_fn, settings.loop)
     inner = _profiled(model)
+    # Profiled before DDP is settled (the profile runs on the module inside the wrapper,
+    # the Reducer idle), so that settling runs under the most frugal plan it allows, DDP's
+    # step (its buckets counted) deciding which that is. Known limit: with static_graph,
+    # DDP records its graph from its first steps, and a profile's backwards before them
+    # (or a recomputing plan in them) made its bucket rebuild fail ("parameters that were
+    # not used in producing the loss": tests/test_trainers_ddp.py, Lightning's
+    # static_graph); it settles first, as written, which a device smaller than that step
+    # refuses (a DeviceMemoryError naming it).
+    static = bool(getattr(ddp, "static_graph", False))
+    if static:
+        settle(model, sample_batch, settings.loss_fn, settings.loop)
     local, _ = profile_levels(inner, sample_batch,
                               **settings.replace(progress=False).as_kwargs())
+    if not static:
+        settle(model, sample_batch, settings.loss_fn, settings.loop,
+               _most_frugal(replicated_profile(local, ddp)))
     return worst_rank_profile(replicated_profile(local, ddp), inner, group)
 
 
