@@ -241,7 +241,9 @@ def _outside_costs(m: Measurements, steps: StepPlaces) -> tuple[OutsideCost, Out
         "suffix": base.phase_ms["suffix_bwd"],
     })
     prefix = OutsideCost(
-        held_bytes=base.prefix.held_bytes,
+        # The units' recorded outputs (remat.execute.output_capture), which the outside
+        # step's stubs do not make: held from the forward on, counted from the prefix.
+        held_bytes=base.prefix.held_bytes + m.recorded_bytes,
         fwd_peak_bytes=max(base.prefix.fwd_peak_bytes, 0),
         bwd_peak_bytes=max(base.prefix.bwd_peak_bytes, 0),
         param_grad_bytes=m.grads.prefix_bytes,

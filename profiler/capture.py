@@ -37,7 +37,11 @@ from remat.core.errors import ProfileError
 from remat.execute.autocast import outside_autocast
 from remat.execute.boundary import boundary_input, boundary_output
 from remat.execute.kv_cache import is_kv_cache, warn_kv_cache_once
-from remat.execute.output_capture import outside_output_capture
+from remat.execute.output_capture import (
+    outside_output_capture,
+    recorded_bytes_since,
+    recorded_lengths,
+)
 from remat.measurement.state import RngState
 from remat.profiler.records import Captured, ChainCheck, UnitCall, UnitTrace
 
@@ -166,6 +170,10 @@ class _Tracer:
         self.prev_output: torch.Tensor | None = None
         self.inputs: list[weakref.ref | None] = []  # per unit in order, its input's storage
         self.kept: list[bool] = []
+        # transformers' output collector (remat.execute.output_capture): its lists' lengths
+        # as each unit's own call starts, and the bytes the units' calls appended to it.
+        self.lengths: dict[str, int] | None = None
+        self.recorded_bytes = 0
 
     def run(self, run_forward: Callable[[], Any]) -> None:
         """The forward pass, hooked, saving nothing; the hooks are removed after it."""
@@ -204,7 +212,7 @@ class _Tracer:
         if self.breaks:
             log.info("units do not form a chain: %s", "; ".join(self.breaks[:3]))
         kept = self.kept if self.on_unit is not None else [False] * len(self.order)
-        return UnitTrace(self.order, self.calls, chain, kept)
+        return UnitTrace(self.order, self.calls, chain, kept, self.recorded_bytes)
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         call = self.by_module[id(module)]
@@ -226,6 +234,7 @@ class _Tracer:
         call.rng = RngState.capture()
         if self.on_unit is not None:
             self._measure_here(call, module)
+        self.lengths = recorded_lengths()  # after the replays, which record nothing
 
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         call = self.by_module[id(module)]
@@ -233,6 +242,8 @@ class _Tracer:
         self.counter.gap += 1
         if call.calls > 1:
             return
+        self.recorded_bytes += recorded_bytes_since(self.lengths)
+        self.lengths = None
         out = boundary_output(output)
         self.prev_output = out
         if out is not None:

@@ -529,6 +529,7 @@ def _measurements(run: _Profiling, ordered: list[tuple[str, nn.Module]], trace: 
         inputs_kept_by_caller=trace.kept_by_caller if trace.chain.is_chain else [],
         recompute_state_bytes=stashed,
         recompute_rng_bytes=_recompute_rng_bytes(run.device),
+        recorded_bytes=trace.recorded_bytes,
     )
 
 

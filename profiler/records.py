@@ -117,12 +117,15 @@ class UnitTrace:
     order whether the model's code keeps its boundary input alive past the unit's
     forward (``x = self.stem(x); x = self.blocks(x)`` keeps the stem's output while the
     blocks run), so that no multi-unit segment may span the link into it (known only
-    when the pass released the captured inputs: else all ``False``)."""
+    when the pass released the captured inputs: else all ``False``); and the bytes the
+    units' calls appended to ``transformers``' output collector (a MoE's router logits,
+    kept to the loss: :mod:`remat.execute.output_capture`)."""
 
     order: list[str]
     calls: dict[str, UnitCall]
     chain: ChainCheck
     kept_by_caller: list[bool] = field(default_factory=list)
+    recorded_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -417,3 +420,6 @@ class Measurements:
     # unit (execution order) its BatchNorm statistics' copies, and torch's RNG stash.
     recompute_state_bytes: list[int] = field(default_factory=list)
     recompute_rng_bytes: int = 0
+    # What the units' calls appended to transformers' output collector (a MoE's router
+    # logits), kept from each unit's forward to the loss: held through the step.
+    recorded_bytes: int = 0

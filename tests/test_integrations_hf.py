@@ -279,3 +279,27 @@ def test_the_profilers_replays_add_nothing_to_the_forwards_captured_outputs() ->
 
     remat.profile(model, {"input_ids": ids, "labels": ids}, loss_fn=loss_fn)
     assert captured and set(captured) == {config.num_hidden_layers}, captured
+
+
+def test_what_the_layers_record_for_the_loss_is_counted_held() -> None:
+    # The router logits transformers' collector keeps from each layer's forward to the
+    # loss are made where the units run for real (the replays record nothing): counted
+    # held through the step. Left out, a DDP Mixtral's plan with a segment of three
+    # layers measured two layers' logits (16 KiB) above its prediction.
+    import transformers
+
+    import remat
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
+    model = transformers.MixtralForCausalLM(config).train()
+    ids = torch.randint(0, 512, (2, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    recording = remat.profile(model, batch)
+    model.config.output_router_logits = False
+    silent = remat.profile(model, batch)
+    logits = config.num_hidden_layers * ids.numel() * config.num_local_experts * 4  # fp32
+    assert recording.prefix.held_bytes - silent.prefix.held_bytes == logits
