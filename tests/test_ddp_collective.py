@@ -165,7 +165,7 @@ def _check_failed_backward_recovered(rank: int) -> None:
     # Verification catches a planned step running out of memory and measures the next
     # round's plan through the wrapper: after a backward that raised, DDP's Reducer
     # refused the next forward ("Expected to have finished reduction in the prior
-    # iteration"). ModelState resets it (remat.measurement.state._recover_ddp).
+    # iteration"). ModelState resets it (remat.measurement.recovery.recover_ddp).
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from remat.measurement.state import training_session

@@ -360,7 +360,7 @@ def _check_failed_backward_recovered(rank: int) -> None:
     # it again, every unit stayed gathered in the next forwards, the root's gradients were
     # never reduce-scattered, and the user's gradients came out unsharded after solve
     # returned (a Mixtral planned inside a device of its floor budget). ModelState puts
-    # FSDP2's iteration state back (remat.measurement.state._recover_fsdp).
+    # FSDP2's iteration state back (remat.measurement.recovery.recover_fsdp).
     from remat.measurement.state import training_session
 
     model, batch = _sharded_gpt()
