@@ -33,10 +33,10 @@ the model (:mod:`remat.execute.sharding`):
   gathered again, the reduce-scatter copy of its trainable parameters' gradients, the
   previous unit's prefetched parameters and the next unit's reduce-scatter buffer not
   yet reclaimed;
-* :data:`IN_FLIGHT` collective buffers, each a unit's all-gather output (its gathered
-  parameters; until 2026-11-29 its reduce-scatter input where that was larger, under a
-  ``MixedPrecisionPolicy``: :func:`_in_flight`), are counted alive through the forward
-  and the backward, and where the root's buffer outweighs a unit's, the difference in the
+* :data:`IN_FLIGHT` collective buffers, each a unit's gathered parameters or its
+  reduce-scatter input where that is larger (a ``MixedPrecisionPolicy`` gathers in bf16
+  and reduces in fp32; :func:`_in_flight`), are counted alive through the forward and
+  the backward, and where the root's buffer outweighs a unit's, the difference in the
   root's own phases (:func:`_root_over_unit`: the prefix's forward and backward, the
   first unit's forward):
   FSDP2's asynchronous collectives let buffers of other units outlive the hooks that
@@ -249,27 +249,15 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
 
 
 def _in_flight(figures: list[ShardedUnit]) -> int:
-    """The bytes of :data:`IN_FLIGHT` buffers counted in flight through the step, each a
-    unit's all-gather output (its gathered parameters, frozen ones included, in the dtype
-    they are gathered in).
-
-    Sized by the all-gather, not by the reduce-scatter input where that is larger (a
-    ``MixedPrecisionPolicy`` gathers in bf16 and reduces in fp32), from 2026-11-29: both
-    buffers the evidence found are all-gather outputs (module docstring), and what a
-    unit's backward holds of its reduce-scatter (its input, the copy, the next unit's
-    buffer not yet reclaimed) is counted with the unit (:func:`_with_fsdp`). Sized by the
-    fp32 input, the bf16 Llama of ``benchmarks/fsdp.py`` stood 16.7% to 27.7% above its
-    worst run. With the smaller size (scratch ``slack.py``: 4 gloo ranks, 4 runs, its
-    floor, halfway and no-checkpointing plans, ``reshard_after_forward`` True, False and
-    FSDP2's default; units 1.50 MiB gathered, 2.99 MiB reduced) every simulated phase
-    stood above its real one: the units' forwards by 0.06 to 1.14 MiB (both buffers are
-    alive there in every run), the backward's phases by 2.81 MiB or more, and each plan's
-    peak 11.7% to 18.3% above its worst run."""
+    """The bytes of :data:`IN_FLIGHT` buffers counted in flight through the step, each an
+    all-gather output or a reduce-scatter input of a unit (the larger of a unit's two:
+    they differ under a mixed-precision policy, which gathers in bf16 and reduces in
+    fp32, and for frozen parameters, which are gathered and not reduced)."""
     return IN_FLIGHT * _unit_buffer(figures)
 
 
 def _unit_buffer(figures: list[ShardedUnit]) -> int:
-    return max((f.gathered_bytes for f in figures), default=0)
+    return max((max(f.gathered_bytes, f.grad_bytes) for f in figures), default=0)
 
 
 def _root_over_unit(figures: list[ShardedUnit], root_buffer: int) -> int:
