@@ -54,6 +54,12 @@ __all__ = ["checked_head", "frugal_forwards", "head_failed_pass", "head_profile"
 
 log = logging.getLogger("remat")
 
+# Why a head is not offered chunked where its check ran out of memory (profile.py reads it:
+# the passes after it compute the head as written, which a chunked plan may not need).
+CHECK_DID_NOT_FIT = ("its check on one example (the step as written, unplanned) does not fit "
+                     "the device")
+
+
 def may_measure_head(setting: str, loop: Loop) -> bool:
     """Whether ``setting`` lets a head be measured in ``loop`` (see the module docstring)."""
     return setting == "chunked" or (setting == "auto" and not loop.keep_output)
@@ -70,8 +76,7 @@ def _checked(setting: str, runner: StepRunner, site: HeadSite,
         # the most frugal plan that can be too much. Not a reason to stop profiling (a
         # plan with the head as written may fit): the head is not offered chunked.
         # Known limit: a budget only a chunked head reaches is then infeasible here.
-        check = HeadCheck("its check on one example (the step as written, unplanned) does "
-                          f"not fit the device ({' '.join(str(err).split())[:160]})")
+        check = HeadCheck(f"{CHECK_DID_NOT_FIT} ({' '.join(str(err).split())[:160]})")
     agreed = refusal_on_every_rank(runner.model, check.refusal)
     if agreed != check.refusal:
         check = replace(check, refusal=agreed)

@@ -87,6 +87,7 @@ from remat.profiler.capture import trace_units
 from remat.profiler.choice import UnitChoice, check_granularity, choose
 from remat.profiler.coverage import warn_if_low
 from remat.profiler.heads import (
+    CHECK_DID_NOT_FIT,
     checked_head,
     frugal_forwards,
     head_failed_pass,
@@ -421,17 +422,20 @@ def _forward_passes(run: _Profiling, units: UnitsSpec,
     """Passes 0 and 1, the head computed over the most chunks where one is found
     (:func:`frugal_forwards`); and the heads that went through :func:`remat.head_loss`."""
     settings = run.settings
+    why = (_HEAD_NOT_CHECKED if (found.refusal or "").startswith(CHECK_DID_NOT_FIT)
+           else _NO_PLAN_FITS)
     with frugal_forwards(settings.head, settings.loop, run.model, found) as through_head_loss:
-        chosen = _units_pass(run, units, given, level)
-        trace, measurer = _capture_pass(run, chosen)
+        chosen = _units_pass(run, units, given, level, why)
+        trace, measurer = _capture_pass(run, chosen, why)
     return chosen, trace, measurer, through_head_loss
 
 
 def _units_pass(run: _Profiling, units: UnitsSpec, given: list[tuple[str, nn.Module]] | None,
-                level: str) -> _UnitsFound:
+                level: str, why: str = "") -> _UnitsFound:
     """Pass 0: one forward pass records what every module saves; the units are chosen on
     it (or taken as ``given``) and their coverage measured. The record is let go here."""
-    with _out_of_memory_is_named("the forward pass that records what modules save"):
+    with _out_of_memory_is_named("the forward pass that records what modules save",
+                                 why or _NO_PLAN_FITS):
         run.bar.step("units")
         record = record_saves(run.model, lambda: run.runner.forward(autocast_cache=False))
     run.state.rng.restore()
@@ -457,7 +461,8 @@ def _check_no_shard_inside(units: list[tuple[str, nn.Module]]) -> None:
                 "nothing inside a block sharded apart")
 
 
-def _capture_pass(run: _Profiling, found: _UnitsFound) -> tuple[UnitTrace, UnitMeasurer]:
+def _capture_pass(run: _Profiling, found: _UnitsFound, why: str = ""
+                  ) -> tuple[UnitTrace, UnitMeasurer]:
     """Pass 1: one forward pass, saving nothing, traces the units; each is replayed alone
     at its call under each option (:class:`UnitMeasurer`, which keeps the figures)."""
     settings, choice = run.settings, found.choice
@@ -476,7 +481,8 @@ def _capture_pass(run: _Profiling, found: _UnitsFound) -> tuple[UnitTrace, UnitM
         run.bar,
         recompute_stash=lambda module: rng_bytes + recompute_snapshot_bytes(module, device_type),
         needs_bytes=lambda name: unit_bytes.get(name, 0), recorded=found.recorded.get)
-    with _out_of_memory_is_named("the forward pass that replays the units"):
+    with _out_of_memory_is_named("the forward pass that replays the units",
+                                 why or _NO_PLAN_FITS):
         trace = trace_units(run.model, choice.units,
                             lambda: run.runner.forward(autocast_cache=False),
                             on_unit=measurer, ops_between=found.ops_between)
@@ -612,6 +618,12 @@ def _units_to_check(model: nn.Module, sample_batch: Any, units: Any,
 # Why a pass that ran out of memory means no plan fits, and what to do instead.
 _NO_PLAN_FITS = ("profiling holds there no more than the most frugal plan's step would, so "
                  "no plan fits this device: use a smaller batch or a device with more memory")
+# Where the head's check did not fit, those passes computed the head as written: a plan
+# with it chunked may hold less (found 2026-11-29: a LoRA Qwen2 under DDP at its floor).
+_HEAD_NOT_CHECKED = (f"the head was not offered chunked ({CHECK_DID_NOT_FIT}), so this pass "
+                     "computed it as written, which a plan with the head chunked may not "
+                     "need: give a budget at which one example's unplanned step fits (the "
+                     "check's), or plan with a smaller batch")
 
 
 @contextlib.contextmanager

@@ -281,6 +281,36 @@ def test_the_profilers_replays_add_nothing_to_the_forwards_captured_outputs() ->
     assert captured and set(captured) == {config.num_hidden_layers}, captured
 
 
+def test_a_pass_out_of_memory_after_the_heads_check_did_not_fit_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where the model head's check (one example's step as written) did not fit, the
+    # passes after it compute the head as written: running out of memory there is no
+    # proof that no plan fits (a plan with the head chunked may), which the error had said
+    # (a LoRA Qwen2 under DDP at its floor, benchmarks/fsdp_in_device.py).
+    import importlib
+
+    import transformers
+
+    import remat
+    import remat.profiler.heads as heads
+
+    profile_module = importlib.import_module("remat.profiler.profile")  # not the function
+
+    def too_big(*_: object) -> None:
+        raise torch.OutOfMemoryError("simulated device out of memory: test")
+
+    monkeypatch.setattr(heads, "check_head_rewrite", too_big)
+    monkeypatch.setattr(profile_module, "record_saves", too_big)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, vocab_size=512, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 512, (2, 32))
+    with pytest.raises(remat.DeviceMemoryError, match="head was not offered chunked"):
+        remat.profile(model, {"input_ids": ids, "labels": ids},
+                      loop=remat.Loop(keep_output=False))
+
+
 def test_what_the_layers_record_for_the_loss_is_counted_held() -> None:
     # The router logits transformers' collector keeps from each layer's forward to the
     # loss are made where the units run for real (the replays record nothing): counted
