@@ -25,7 +25,7 @@ pytest.importorskip("torch.distributed.fsdp")  # test_fsdp_collective's spawn he
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
 
-from test_fsdp_collective import WORLD, _spawn  # noqa: E402  (after the skips above)
+from test_fsdp_collective import WORLD, _spawn, backward_out_of_memory  # noqa: E402  (after the skips above)
 
 CLOSE = 0.02  # the prediction is within 2% above the measured peak
 
@@ -174,17 +174,8 @@ def _check_failed_backward_recovered(rank: int) -> None:
     batch = _rank_batch(batch, rank)
     ddp, untouched = DDP(model), DDP(copy.deepcopy(model))
 
-    def out_of_memory(grad: torch.Tensor) -> torch.Tensor:
-        raise torch.OutOfMemoryError("a device of the budget (the test's)")
-
-    def failing(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        output.register_hook(out_of_memory)  # the backward raises there
-
     with training_session(ddp):
-        hook = model.blocks[1].register_forward_hook(failing)
-        with pytest.raises(torch.OutOfMemoryError):
-            ddp(**batch).loss.backward()
-        hook.remove()
+        backward_out_of_memory(ddp, model.blocks[1], batch)
     for m in (ddp, untouched):
         m(**batch).loss.backward()
     for (name, p), q in zip(ddp.named_parameters(), untouched.parameters(), strict=True):

@@ -353,6 +353,23 @@ def test_the_ranks_agree_on_one_more_measured_step(free_port: int) -> None:
     _spawn(_check_ranks_agree_on_one_more_step, free_port)
 
 
+def backward_out_of_memory(model: torch.nn.Module, block: torch.nn.Module, batch: dict) -> None:
+    """One step of ``model`` whose backward runs out of memory at ``block``'s output (as a
+    device of the budget would), the error caught as remat catches it."""
+    def out_of_memory(grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("a device of the budget (the test's)")
+
+    def failing(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(out_of_memory)
+
+    hook = block.register_forward_hook(failing)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            model(**batch).loss.backward()
+    finally:
+        hook.remove()
+
+
 def _check_failed_backward_recovered(rank: int) -> None:
     # Profiling catches a device running out of memory in a step's backward (the head as
     # written, on a device sized for a plan) and goes on. FSDP2 marks its end-of-backward
@@ -366,24 +383,12 @@ def _check_failed_backward_recovered(rank: int) -> None:
     model, batch = _sharded_gpt()
     untouched, _ = _sharded_gpt()
 
-    def out_of_memory(grad: torch.Tensor) -> torch.Tensor:
-        raise torch.OutOfMemoryError("a device of the budget (the test's)")
-
-    def failing(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        output.register_hook(out_of_memory)  # the backward raises there
-
     with training_session(model) as state:
-        hook = model.blocks[1].register_forward_hook(failing)
-        with pytest.raises(torch.OutOfMemoryError):
-            model(**batch).loss.backward()
-        hook.remove()
+        backward_out_of_memory(model, model.blocks[1], batch)
         state.between_passes()  # as profiling does after catching it
         model(**batch).loss.backward()  # the next pass
     with training_session(model):
-        hook = model.blocks[1].register_forward_hook(failing)
-        with pytest.raises(torch.OutOfMemoryError):  # and one that ends the session
-            model(**batch).loss.backward()
-        hook.remove()
+        backward_out_of_memory(model, model.blocks[1], batch)  # one that ends the session
     for m in (model, untouched):
         m(**batch).loss.backward()
     for (name, p), q in zip(model.named_parameters(), untouched.parameters(), strict=True):

@@ -225,6 +225,18 @@ def test_model_checkpointing_turned_on_later_is_refused(tmp_path: Path) -> None:
         trainer.train()
 
 
+def _tiny_mixtral() -> torch.nn.Module:
+    """A 2-layer ``transformers`` Mixtral in train mode, seed 0, its router's loss on."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
+    return transformers.MixtralForCausalLM(config).train()
+
+
 def test_a_mixtral_trains_bitwise_as_before_after_solve() -> None:
     # transformers installs its output-capturing hooks on a model's first call and marks
     # that with an attribute: solve() put back the mark but not the hooks, so the next
@@ -232,16 +244,10 @@ def test_a_mixtral_trains_bitwise_as_before_after_solve() -> None:
     # Mixtral the load-balancing loss moved and every gradient differed, no plan applied).
     import copy
 
-    import transformers
-
     import remat
 
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
-        output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
-    model = transformers.MixtralForCausalLM(config).train()
+    model = _tiny_mixtral()
+    config = model.config
     untouched = copy.deepcopy(model)
     ids = torch.randint(0, 512, (2, 32))
     remat.solve(model, {"input_ids": ids, "labels": ids}, memory_budget=None)
@@ -260,16 +266,11 @@ def test_the_profilers_replays_add_nothing_to_the_forwards_captured_outputs() ->
     # after unit (on fsdp_unseen's Mixtral, enough to run profiling out of a device of the
     # floor budget), and the forward's output carried the replays' logits
     # (remat.execute.output_capture).
-    import transformers
 
     import remat
 
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
-        output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
-    model = transformers.MixtralForCausalLM(config).train()
+    model = _tiny_mixtral()
+    config = model.config
     ids = torch.randint(0, 512, (2, 32))
     captured: list[int] = []
 
@@ -316,16 +317,11 @@ def test_what_the_layers_record_for_the_loss_is_counted_held() -> None:
     # loss are made where the units run for real (the replays record nothing): counted
     # held through the step. Left out, a DDP Mixtral's plan with a segment of three
     # layers measured two layers' logits (16 KiB) above its prediction.
-    import transformers
 
     import remat
 
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
-        output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False)
-    model = transformers.MixtralForCausalLM(config).train()
+    model = _tiny_mixtral()
+    config = model.config
     ids = torch.randint(0, 512, (2, 32))
     batch = {"input_ids": ids, "labels": ids}
     recording = remat.profile(model, batch)
