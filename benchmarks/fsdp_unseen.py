@@ -281,7 +281,7 @@ class Row:
     loss_diff: float
     grad_diff: float
     buffers_equal: bool
-    refused: bool = False  # remat.solve refused the budget (its verification measured more)
+    refused: bool = False  # remat.solve refused the budget (the plan column says why)
     wrapper: str = "FSDP2"
 
 
@@ -314,11 +314,15 @@ def _rank_rows(rank: int, name: str, runs: int, wrapper: str) -> list[Row]:
         try:
             plan = remat.solve(planned.model, planned.batch, memory_budget=budget, **solve)
         except remat.InfeasibleBudgetError as err:
-            # Verification's decision, taken on the highest peak over the ranks: the same
-            # on every rank. At the smallest feasible peak the allocator's view of a step
-            # on gloo can measure above the prediction (fsdp.md: its run-to-run spread).
+            # The same on every rank: verification decides on the highest peak over the
+            # ranks, and the call's profile is the worst rank's. Either may refuse the
+            # floor taken from the profile above: verification where the step measured
+            # above its prediction, the call's own profile where it measured the floor
+            # higher than this one did (two profiles of one model vary).
             short = err.min_feasible_bytes - budget
-            rows.append(Row(name, budget, f"refused: the smallest feasible budget, "
+            by = ("verification" if err.detail.startswith("Round")
+                  else "the call's own profile")
+            rows.append(Row(name, budget, f"refused by {by}: the smallest feasible budget, "
                             f"{err.min_feasible_bytes:,} B, is {short:,} B above",
                             0, 0, [], [], False, 0.0, 0.0, True, refused=True,
                             wrapper=wrapper))
@@ -423,7 +427,8 @@ def report(rows: Sequence[Row], world: int, runs: int, minutes: float, command: 
         f"The prediction was below the live peak in {len(below_live)} of {len(rows)} plans "
         f"and below the allocator's worst run in {len(below_alloc)}; "
         f"{sum(not r.fits for r in rows)} planned steps ran out of a device of the budget; "
-        f"{len(refused)} budgets were refused by `remat.solve`'s verification. "
+        f"{len(refused)} budgets were refused by `remat.solve` (the plan column says "
+        "whether by its verification or its own profile). "
         "Loss and gradients equal bitwise give 0; a chunked head sums its chunks in "
         "another order (float tolerance).",
         "",

@@ -35,10 +35,11 @@ the model (:mod:`remat.execute.sharding`):
   yet reclaimed;
 * :data:`IN_FLIGHT` collective buffers, each a unit's gathered parameters or its
   reduce-scatter input where that is larger (a ``MixedPrecisionPolicy`` gathers in bf16
-  and reduces in fp32; :func:`_in_flight`), are counted alive through the forward and
-  the backward, and where the root's buffer outweighs a unit's, the difference in the
-  root's own phases (:func:`_root_over_unit`: the prefix's forward and backward, the
-  first unit's forward):
+  and reduces in fp32; :func:`_in_flight`), are counted alive through the forward,
+  :data:`IN_FLIGHT_BACKWARD` through the backward (one fewer from 2026-11-29: the
+  backward's phases never used the second), and where the root's buffer outweighs a
+  unit's, the difference in the root's own phases (:func:`_root_over_unit`: the
+  prefix's forward and backward, the first unit's forward):
   FSDP2's asynchronous collectives let buffers of other units outlive the hooks that
   made them, and gloo adds buffers of its own (the staging of an all-gather that runs
   beside the compute, the clone of a reduce-scatter's input), by a varying amount from
@@ -140,9 +141,11 @@ flight (2 ranks, floor and no checkpointing, 4 runs, every ``reshard_after_forwa
 the Llamas, bf16 among them, and the tests' GPT): 0 to 1.25 units in a unit's forward
 (0 once, the GPT's floor under False, a run a unit higher than the others: the envelope
 at its edge), 1.69 to 3.25 units in the backward's phases; the optimizer step exact.
-The other candidates measured as counted: the root's parameters are alive from the
-forward to the end of the backward; ``2 * gathered`` in a backward is the
-unit's gradients (in the replays' peak), its reduce-scatter input and gloo's second
+So the backward counts one buffer in flight, not two (2026-11-29, :func:`_in_flight`):
+its phases' margins are 0.69 units or more now (the bf16 Llama's units; scratch
+``slack.py``, 2 ranks). The other candidates measured as counted: the root's
+parameters are alive from the forward to the end of the backward; ``2 * gathered`` in a
+backward is the unit's gradients (in the replays' peak), its reduce-scatter input and gloo's second
 buffer, alive together once its parameters are resharded. On CUDA the caching allocator counts
 every free on every thread and NCCL takes no such copies, so what is counted here for
 gloo's copies and its unrecorded frees errs high there (not measured: no GPU here).
@@ -174,9 +177,10 @@ from remat.execute.sharding import (
     world_size,
 )
 
-__all__ = ["IN_FLIGHT", "sharded_profile"]
+__all__ = ["IN_FLIGHT", "IN_FLIGHT_BACKWARD", "sharded_profile"]
 
-IN_FLIGHT = 2  # collective buffers counted in flight throughout (module docstring)
+IN_FLIGHT = 2  # collective buffers counted in flight in the forward (module docstring)
+IN_FLIGHT_BACKWARD = 1  # and in the backward (:func:`_in_flight`)
 
 
 def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
@@ -200,10 +204,12 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
     whole = sharded_unit(model)
     root = max(whole.gathered_bytes - sum(gathered), 0)
     root_grads = max(whole.grad_bytes - sum(f.grad_bytes for f in figures), 0)
-    in_flight = _in_flight(figures)
+    in_flight = _in_flight(figures, IN_FLIGHT_BACKWARD)
+    forward_only = _in_flight(figures, IN_FLIGHT) - in_flight
     root_over = _root_over_unit(figures, max(root, root_grads))
     units = [dataclasses.replace(
-        unit, options={name: _with_fsdp(cost, figures, i, root_over if i == 0 else 0)
+        unit, options={name: _with_fsdp(cost, figures, i, forward_only
+                                        + (root_over if i == 0 else 0))
                        for name, cost in unit.options.items()},
         param_grad_bytes=figures[i].shard_bytes)
         for i, unit in enumerate(profile.units)]
@@ -217,10 +223,12 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
 
     def prefix(part: OutsideCost, suffix: OutsideCost) -> OutsideCost:
         late = max(root_shard - part.param_grad_bytes - suffix.param_grad_bytes, 0)
-        return dataclasses.replace(_root_phases(_holding(part, held), root_over),
-                                   param_grad_bytes=part.param_grad_bytes + late)
+        return dataclasses.replace(
+            _root_phases(_holding(part, held, forward_only), root_over),
+            param_grad_bytes=part.param_grad_bytes + late)
 
     def suffix(part: OutsideCost) -> OutsideCost:
+        part = dataclasses.replace(part, fwd_peak_bytes=part.fwd_peak_bytes + forward_only)
         if not whole.reshard_after_forward:
             return part
         last = figures[-1].gathered_bytes if figures[-1].reshard_after_forward else 0
@@ -248,12 +256,23 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
                                meta=meta)
 
 
-def _in_flight(figures: list[ShardedUnit]) -> int:
-    """The bytes of :data:`IN_FLIGHT` buffers counted in flight through the step, each an
-    all-gather output or a reduce-scatter input of a unit (the larger of a unit's two:
-    they differ under a mixed-precision policy, which gathers in bf16 and reduces in
-    fp32, and for frozen parameters, which are gathered and not reduced)."""
-    return IN_FLIGHT * _unit_buffer(figures)
+def _in_flight(figures: list[ShardedUnit], count: int) -> int:
+    """The bytes of ``count`` buffers counted in flight, each an all-gather output or a
+    reduce-scatter input of a unit (the larger of a unit's two: they differ under a
+    mixed-precision policy, which gathers in bf16 and reduces in fp32, and for frozen
+    parameters, which are gathered and not reduced).
+
+    :data:`IN_FLIGHT` are counted in the forward's phases, :data:`IN_FLIGHT_BACKWARD` in
+    the backward's: held from the prefix on, with the difference a peak of each forward
+    phase. Until 2026-11-29 two were counted through the backward too; each phase's
+    margin over its real phase (scratch ``slack.py``: the tests' GPT and
+    ``benchmarks/fsdp.py``'s three Llamas, 2 and 4 gloo ranks, every
+    ``reshard_after_forward``, the floor plan and no checkpointing, 4 runs each) was
+    then at least 1.69 buffers in every backward phase (the bf16 Llama's units; 2.44 on
+    the fp32 Llama, 2.83 on the GPT), and 0.42 in a unit's forward, where FSDP2 keeps
+    the unit's all-gather output alive beside the one the forward's figure counts. Where
+    the plan's peak is in the backward, the second buffer was a unit above the step."""
+    return count * _unit_buffer(figures)
 
 
 def _unit_buffer(figures: list[ShardedUnit]) -> int:
@@ -314,19 +333,22 @@ def _root_gathered_again(part: OutsideCost, floor: int) -> OutsideCost:
         stepped_bwd_peak_bytes=None if stepped is None else max(stepped, floor))
 
 
-def _holding(part: OutsideCost, nbytes: int) -> OutsideCost:
+def _holding(part: OutsideCost, nbytes: int, forward_only: int = 0) -> OutsideCost:
     """The outside code's ``part`` with ``nbytes`` more held through the step (FSDP2's
-    buffers alive around every unit, counted from the prefix on)."""
+    buffers alive around every unit, counted from the prefix on), and ``forward_only``
+    more at its forward's peak."""
     return dataclasses.replace(part, held_bytes=part.held_bytes + nbytes,
-                               fwd_peak_bytes=part.fwd_peak_bytes + nbytes)
+                               fwd_peak_bytes=part.fwd_peak_bytes + nbytes + forward_only)
 
 
 def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int,
                root_over: int = 0) -> OptionCost:
     """One option's cost of unit ``i`` with FSDP2's buffers around it: parameters gathered
     (every one, frozen included) and gradient-sized buffers (its trainable parameters').
-    ``root_over``: the first unit's forward starts with the root's all-gather output
-    still alive (FSDP2 frees it at this unit's copy-out), by what it outweighs a unit."""
+    ``root_over``: what its forward holds beyond them (the buffers in flight counted in
+    the forward alone; the first unit's forward starts with the root's all-gather output
+    still alive, which FSDP2 frees at this unit's copy-out, by what it outweighs a
+    unit)."""
     own = figures[i]
     cost = dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + root_over)
     prefetched = figures[i - 1].gathered_bytes if i > 0 else 0

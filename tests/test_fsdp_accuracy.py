@@ -9,8 +9,9 @@ and once by live tensor bytes (:class:`~remat.measurement.simulated_device.Simul
 The prediction must cover every run on every rank (never below the worst), and stay
 within 2% of the worst run or, where that is tighter than FSDP2 itself is repeatable,
 within :data:`OVER_UNITS` units' gathered parameters of it (the profile counts
-:data:`remat.profiler.sharded.IN_FLIGHT` units' in flight; pinned to one core the suite
-measured none in flight, 3.8 units under the prediction). FSDP2's collectives make one
+:data:`remat.profiler.sharded.IN_FLIGHT` units' in flight in the forward, fewer in the
+backward; pinned to one core the suite measured none in flight, 3.8 units under the
+prediction, when two were counted in the backward too). FSDP2's collectives make one
 step's allocator peak vary from run to run by about one unit's gathered parameters (a
 buffer of an all-gather or reduce-scatter alive at the peak in some runs, not in others),
 and how many are alive at once depends on how busy the machine is; the per-rank profile
@@ -31,7 +32,7 @@ from tests.test_fsdp_collective import WORLD, _sharded_gpt, _spawn
 
 RUNS = 10
 OVER = 1.02  # above the worst run, or OVER_UNITS units' gathered parameters (docstring)
-# The profile counts IN_FLIGHT units' gathered parameters alive throughout, which a busy
+# The profile counts IN_FLIGHT units' gathered parameters alive in the forward, which a busy
 # machine shows; on one core FSDP2's collectives run one after another and none is left
 # in flight at the peak, so the prediction may stand that many units above, plus two.
 OVER_UNITS = IN_FLIGHT + 2

@@ -551,16 +551,19 @@ def test_ranks_that_disagree_get_an_error_naming_the_rank(free_port: int) -> Non
 
 
 def test_the_buffers_in_flight_are_units_and_the_root_only_in_its_phases() -> None:
-    # Each of IN_FLIGHT buffers is an all-gather output or a reduce-scatter input, sized
-    # by the larger of a unit's two, alive through the step. The root's buffer, where it
-    # outweighs a unit's, is counted by the difference in the root's own phases only: the
-    # prefix's forward and backward and the first unit's forward (profiler/sharded.py).
+    # Each buffer in flight is an all-gather output or a reduce-scatter input, sized by
+    # the larger of a unit's two: IN_FLIGHT_BACKWARD held from the prefix on, the rest of
+    # IN_FLIGHT a peak of each forward phase. The root's buffer, where it outweighs a
+    # unit's, is counted by the difference in the root's own phases only: the prefix's
+    # forward and backward and the first unit's forward (profiler/sharded.py).
     import dataclasses
 
     from remat.core.profile import OptionCost, OutsideCost
     from remat.execute.sharding import ShardedUnit
     from remat.profiler.sharded import (
         IN_FLIGHT,
+        IN_FLIGHT_BACKWARD,
+        _holding,
         _in_flight,
         _root_over_unit,
         _root_phases,
@@ -568,8 +571,13 @@ def test_the_buffers_in_flight_are_units_and_the_root_only_in_its_phases() -> No
     )
 
     units = [ShardedUnit(300, 300, 150), ShardedUnit(200, 400, 200)]  # reduced in fp32
-    assert _in_flight(units) == IN_FLIGHT * 400
-    assert _in_flight([]) == 0
+    assert IN_FLIGHT > IN_FLIGHT_BACKWARD >= 1
+    assert _in_flight(units, IN_FLIGHT) == IN_FLIGHT * 400
+    assert _in_flight(units, IN_FLIGHT_BACKWARD) == IN_FLIGHT_BACKWARD * 400
+    assert _in_flight([], IN_FLIGHT) == 0
+    assert _holding(OutsideCost(held_bytes=7, fwd_peak_bytes=10, bwd_peak_bytes=20),
+                    400, 400) == OutsideCost(held_bytes=407, fwd_peak_bytes=810,
+                                             bwd_peak_bytes=20)
     assert _root_over_unit(units, root_buffer=100) == 0
     assert _root_over_unit(units, root_buffer=1000) == 600
     part = OutsideCost(held_bytes=7, fwd_peak_bytes=10, bwd_peak_bytes=20,
