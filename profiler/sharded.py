@@ -342,15 +342,15 @@ def _holding(part: OutsideCost, nbytes: int, forward_only: int = 0) -> OutsideCo
 
 
 def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int,
-               root_over: int = 0) -> OptionCost:
+               forward_extra: int = 0) -> OptionCost:
     """One option's cost of unit ``i`` with FSDP2's buffers around it: parameters gathered
     (every one, frozen included) and gradient-sized buffers (its trainable parameters').
-    ``root_over``: what its forward holds beyond them (the buffers in flight counted in
-    the forward alone; the first unit's forward starts with the root's all-gather output
-    still alive, which FSDP2 frees at this unit's copy-out, by what it outweighs a
+    ``forward_extra``: what its forward holds beyond them (the buffers in flight counted
+    in the forward alone; the first unit's forward starts with the root's all-gather
+    output still alive, which FSDP2 frees at this unit's copy-out, by what it outweighs a
     unit)."""
     own = figures[i]
-    cost = dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + root_over)
+    cost = dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + forward_extra)
     prefetched = figures[i - 1].gathered_bytes if i > 0 else 0
     lingering = figures[i + 1].grad_bytes if i + 1 < len(figures) else 0
     if own.reshard_after_forward:
