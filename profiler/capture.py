@@ -39,10 +39,11 @@ from remat.execute.boundary import boundary_input, boundary_output
 from remat.execute.kv_cache import is_kv_cache, warn_kv_cache_once
 from remat.execute.output_capture import (
     outside_output_capture,
-    recorded_bytes_since,
     recorded_lengths,
+    recorded_since,
 )
 from remat.measurement.state import RngState
+from remat.measurement.storage import storage_bytes
 from remat.profiler.records import Captured, ChainCheck, UnitCall, UnitTrace
 
 __all__ = ["trace_units"]
@@ -242,7 +243,7 @@ class _Tracer:
         self.counter.gap += 1
         if call.calls > 1:
             return
-        self.recorded_bytes += recorded_bytes_since(self.lengths)
+        self.recorded_bytes += storage_bytes(recorded_since(self.lengths))
         self.lengths = None
         out = boundary_output(output)
         self.prev_output = out

@@ -431,11 +431,10 @@ def _forward_passes(run: _Profiling, units: UnitsSpec,
 
 
 def _units_pass(run: _Profiling, units: UnitsSpec, given: list[tuple[str, nn.Module]] | None,
-                level: str, why: str = "") -> _UnitsFound:
+                level: str, why: str) -> _UnitsFound:
     """Pass 0: one forward pass records what every module saves; the units are chosen on
     it (or taken as ``given``) and their coverage measured. The record is let go here."""
-    with _out_of_memory_is_named("the forward pass that records what modules save",
-                                 why or _NO_PLAN_FITS):
+    with _out_of_memory_is_named("the forward pass that records what modules save", why):
         run.bar.step("units")
         record = record_saves(run.model, lambda: run.runner.forward(autocast_cache=False))
     run.state.rng.restore()
@@ -461,7 +460,7 @@ def _check_no_shard_inside(units: list[tuple[str, nn.Module]]) -> None:
                 "nothing inside a block sharded apart")
 
 
-def _capture_pass(run: _Profiling, found: _UnitsFound, why: str = ""
+def _capture_pass(run: _Profiling, found: _UnitsFound, why: str
                   ) -> tuple[UnitTrace, UnitMeasurer]:
     """Pass 1: one forward pass, saving nothing, traces the units; each is replayed alone
     at its call under each option (:class:`UnitMeasurer`, which keeps the figures)."""
@@ -481,8 +480,7 @@ def _capture_pass(run: _Profiling, found: _UnitsFound, why: str = ""
         run.bar,
         recompute_stash=lambda module: rng_bytes + recompute_snapshot_bytes(module, device_type),
         needs_bytes=lambda name: unit_bytes.get(name, 0), recorded=found.recorded.get)
-    with _out_of_memory_is_named("the forward pass that replays the units",
-                                 why or _NO_PLAN_FITS):
+    with _out_of_memory_is_named("the forward pass that replays the units", why):
         trace = trace_units(run.model, choice.units,
                             lambda: run.runner.forward(autocast_cache=False),
                             on_unit=measurer, ops_between=found.ops_between)

@@ -23,7 +23,7 @@ recomputation in the backward does: the backward runs after the top-level call h
 reset it. A replay records nothing. What the real step's collector keeps of the units
 (their router logits, tokens x experts: 8 KiB a layer of that Mixtral), from each
 unit's forward to the loss, is measured where the units run for real, in the capture
-pass (:func:`recorded_lengths`, :func:`recorded_bytes_since`), and counted held through
+pass (:func:`recorded_lengths`, :func:`recorded_since`), and counted held through
 the whole step: an over-count in the backward, where the real step has let them go.
 Left out, a DDP Mixtral's plan with a segment of three layers measured 16 KiB above its
 prediction (two layers' logits: a segment's inner units hold nothing in the solver's
@@ -43,10 +43,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-from torch.utils._pytree import tree_flatten
-
-__all__ = ["outside_output_capture", "recorded_bytes_since", "recorded_lengths"]
+__all__ = ["outside_output_capture", "recorded_lengths", "recorded_since"]
 
 # Where transformers keeps the collector its output-capturing hooks append to.
 _COLLECTOR_MODULES = ("transformers.utils.output_capturing", "transformers.utils.generic")
@@ -77,29 +74,26 @@ def outside_output_capture() -> Iterator[None]:
         var.reset(token)
 
 
-def recorded_lengths() -> dict[str, int] | None:
-    """How many entries each list of the live collector holds now (``None``: none)."""
+def _live() -> dict | None:
+    """The live collector (a dict of lists), or ``None`` outside a capturing forward."""
     var = _collector()
     live = var.get() if var is not None else None
-    if not isinstance(live, dict):
+    return live if isinstance(live, dict) else None
+
+
+def recorded_lengths() -> dict[str, int] | None:
+    """How many entries each list of the live collector holds now (``None``: none)."""
+    live = _live()
+    if live is None:
         return None
     return {k: len(v) for k, v in live.items() if isinstance(v, list)}
 
 
-def recorded_bytes_since(lengths: dict[str, int] | None) -> int:
-    """The storage bytes of the tensors appended to the live collector since
-    ``lengths`` (:func:`recorded_lengths`), each storage once."""
-    var = _collector()
-    live = var.get() if var is not None else None
-    if lengths is None or not isinstance(live, dict):
-        return 0
-    seen: dict[int, int] = {}
-    for key, before in lengths.items():
-        entries = live.get(key)
-        if not isinstance(entries, list):
-            continue
-        for leaf in tree_flatten(entries[before:])[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
-                storage = leaf.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+def recorded_since(lengths: dict[str, int] | None) -> list[Any]:
+    """The entries appended to the live collector's lists since ``lengths``
+    (:func:`recorded_lengths`)."""
+    live = _live()
+    if lengths is None or live is None:
+        return []
+    return [entry for key, before in lengths.items()
+            if isinstance(live.get(key), list) for entry in live[key][before:]]
