@@ -29,10 +29,11 @@ the model (:mod:`remat.execute.sharding`):
 * its forward holds its gathered parameters, every one (FSDP2 all-gathers frozen
   parameters too: a peft LoRA model's base weights, counted from 2026-11-28; before,
   the trainable ones alone, 8 MiB of 50 short on one rank of a LoRA Qwen2), to its
-  backward where it does not reshard after the forward; its backward holds them
-  gathered again, the reduce-scatter copy of its trainable parameters' gradients, the
-  previous unit's prefetched parameters and the next unit's reduce-scatter buffer not
-  yet reclaimed;
+  backward where it does not reshard after the forward; its backward's compute holds
+  them gathered again, the previous unit's prefetched parameters and the next unit's
+  reduce-scatter input not yet reclaimed, and its post-backward, once it has freed
+  those two, the reduce-scatter input of its own trainable parameters' gradients
+  (:func:`_backward_buffers`; until 2026-11-29 all four were summed);
 * :data:`IN_FLIGHT` collective buffers, each a unit's gathered parameters or its
   reduce-scatter input where that is larger (a ``MixedPrecisionPolicy`` gathers in bf16
   and reduces in fp32; :func:`_in_flight`), are counted alive through the forward,
@@ -143,10 +144,17 @@ the Llamas, bf16 among them, and the tests' GPT): 0 to 1.25 units in a unit's fo
 at its edge), 1.69 to 3.25 units in the backward's phases; the optimizer step exact.
 So the backward counts one buffer in flight, not two (2026-11-29, :func:`_in_flight`):
 its phases' margins are 0.69 units or more now (the bf16 Llama's units; scratch
-``slack.py``, 2 ranks). The other candidates measured as counted: the root's
-parameters are alive from the forward to the end of the backward; ``2 * gathered`` in a
-backward is the unit's gradients (in the replays' peak), its reduce-scatter input and gloo's second
-buffer, alive together once its parameters are resharded. On CUDA the caching allocator counts
+``slack.py``, 2 ranks). And a unit's backward is the larger of its compute and its
+post-backward, not their sum (2026-11-29, :func:`_backward_buffers`): each phase's
+margin then (scratch ``slack2.py``, each unit's backward cut at FSDP2's post-backward;
+the tests' GPT, ``benchmarks/fsdp.py``'s GPT and three Llamas, 2 and 4 ranks, both
+``reshard_after_forward``, floor and no checkpointing, 4 runs: 40 configurations) is
+0.44 to 1.00 units in a unit's compute, 0.25 or more in its post-backward, 0.42 or more
+in a unit's forward, 0.90 or more in the suffix's backward, the optimizer step exact.
+The other candidates measured as counted: the root's parameters are alive from the
+forward to the end of the backward; in a post-backward, the unit's gradients (in the
+replays' peak), its reduce-scatter input and gloo's clone of it (the buffer in flight)
+are alive together once its parameters are resharded. On CUDA the caching allocator counts
 every free on every thread and NCCL takes no such copies, so what is counted here for
 gloo's copies and its unrecorded frees errs high there (not measured: no GPU here).
 
@@ -351,17 +359,53 @@ def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int,
     unit)."""
     own = figures[i]
     cost = dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + forward_extra)
-    prefetched = figures[i - 1].gathered_bytes if i > 0 else 0
     lingering = figures[i + 1].grad_bytes if i + 1 < len(figures) else 0
     if own.reshard_after_forward:
-        # Gathered for the forward, gathered again for the backward (with its
-        # reduce-scatter copy, the prefetch, the unreclaimed buffer after it).
+        # Gathered for the forward, gathered again for the backward, beside the
+        # previous unit's prefetch.
+        prefetched = figures[i - 1].gathered_bytes if i > 0 else 0
+        if i + 1 == len(figures):
+            # The last unit has no next unit's reduce-scatter input; in its place, its
+            # own all-gather output, which the root's pre-backward issued just before
+            # (the suffix's backward is short) and gloo's worker can hold into this
+            # compute: the benchmark's GPT of 8 blocks on 4 gloo ranks, 2 ranks of 4,
+            # 1 run of 10, measured its last block's backward one unit above the rest.
+            lingering = own.gathered_bytes
         return dataclasses.replace(
             cost, fwd_peak_bytes=cost.fwd_peak_bytes + own.gathered_bytes,
-            bwd_peak_bytes=cost.bwd_peak_bytes + own.gathered_bytes + own.grad_bytes
-            + prefetched + lingering)
+            bwd_peak_bytes=cost.bwd_peak_bytes + prefetched
+            + _backward_buffers(own, own.gathered_bytes, lingering))
     # Kept gathered from the forward to the end of the backward: held, not re-gathered.
     return dataclasses.replace(
         cost, held_bytes=cost.held_bytes + own.gathered_bytes,
         fwd_peak_bytes=cost.fwd_peak_bytes + own.gathered_bytes,
-        bwd_peak_bytes=cost.bwd_peak_bytes + own.grad_bytes + lingering)
+        bwd_peak_bytes=cost.bwd_peak_bytes + _backward_buffers(own, 0, lingering))
+
+
+def _backward_buffers(own: ShardedUnit, regathered: int, lingering: int) -> int:
+    """What FSDP2 adds to a unit's backward besides the previous unit's prefetch: its
+    parameters gathered again (``regathered``), the next unit's reduce-scatter input not
+    yet reclaimed (``lingering``), and its own reduce-scatter input (``own.grad_bytes``).
+
+    Not all at once where FSDP2 keeps its defaults (``own.frees_before_reduce``): its
+    reduce-scatter input is made in its post-backward, after the backward's compute,
+    and only once the post-backward has resharded its parameters and reclaimed the
+    next unit's buffer. So the backward's compute holds the first two, the post-backward
+    the third (beside the compute's gradients, still at most its peak, and the buffer in
+    flight, gloo's clone of that input). Where FSDP2's defaults are changed
+    (``set_reshard_after_backward(False)``, more reduce-scatter input buffers), the
+    three are summed.
+
+    Until 2026-11-29 they were summed everywhere: a buffer above either moment. Each
+    backward cut at FSDP2's post-backward (scratch ``slack2.py``: the tests' GPT and
+    ``benchmarks/fsdp.py``'s three Llamas on 2 and 4 gloo ranks, both settings of
+    ``reshard_after_forward``, the floor plan and no checkpointing, 4 runs each), each
+    unit's compute now stands 0.44 to 1.00 units above its real window (1.44 or more
+    when summed), and each post-backward 0.25 units or more: the bf16 Llama's, whose
+    fp32 reduce-scatter input is the unit, with its bf16 gradients, that input and
+    gloo's clone of it alive there together. (The tests' GPT's post-backward, small
+    beside its compute, stood 11 units above.) The last unit has no next unit's input:
+    :func:`_with_fsdp` counts its own all-gather output in that place."""
+    if not own.frees_before_reduce:
+        return regathered + lingering + own.grad_bytes
+    return max(regathered + lingering, own.grad_bytes)

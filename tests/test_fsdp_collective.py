@@ -238,6 +238,13 @@ def _check_mixed_precision_figures(rank: int) -> None:
     assert (figures["frozen"].gathered_bytes, figures["frozen"].grad_bytes) == (4 * n,
                                                                                 4 * half)
     assert figures["frozen"].shard_bytes == 4 * half // WORLD
+    # FSDP2's defaults: its post-backward reshards and reclaims before it reduces
+    assert all(f.frees_before_reduce for f in figures.values())
+    plain.set_reshard_after_backward(False)
+    mixed.set_reduce_scatter_max_input_buffers(2)
+    assert not sharded_unit(plain).frees_before_reduce
+    assert not sharded_unit(mixed).frees_before_reduce
+    assert sharded_unit(frozen).frees_before_reduce
 
 
 def test_what_fsdp2_gathers_and_reduces_is_counted_in_its_dtypes(free_port: int) -> None:
@@ -589,8 +596,21 @@ def test_the_buffers_in_flight_are_units_and_the_root_only_in_its_phases() -> No
     first, second = (_with_fsdp(cost, units, i, 600 if i == 0 else 0) for i in (0, 1))
     assert first.fwd_peak_bytes == 10 + 300 + 600  # its parameters, the root's over a unit's
     assert second.fwd_peak_bytes == 10 + 200
-    # gathered again, its gradients, and the next unit's reduce-scatter buffer lingering
-    assert first.bwd_peak_bytes == 20 + 300 + 300 + 400
+    # Gathered again beside the next unit's reduce-scatter input (its compute), or its
+    # own reduce-scatter input (its post-backward), not both; the second unit's with the
+    # first's prefetch.
+    assert first.bwd_peak_bytes == 20 + max(300 + 400, 300)
+    assert second.bwd_peak_bytes == 20 + 300 + max(200 + 200, 400)
+    # The last unit's compute holds its own all-gather output once more (the root's
+    # prefetch, which gloo's worker can keep): in place of a next unit's buffer.
+    light = [units[0], ShardedUnit(200, 100, 50)]
+    assert _with_fsdp(cost, light, 1).bwd_peak_bytes == 20 + 300 + 200 + 200
+    # All three together where FSDP2's post-backward does not free before it reduces
+    summed = [dataclasses.replace(u, frees_before_reduce=False) for u in units]
+    assert _with_fsdp(cost, summed, 0).bwd_peak_bytes == 20 + 300 + 300 + 400
+    kept = [dataclasses.replace(u, reshard_after_forward=False) for u in units]
+    assert _with_fsdp(cost, kept, 0).bwd_peak_bytes == 20 + max(400, 300)
+    assert _with_fsdp(cost, kept, 0).held_bytes == 300
 
 
 def test_a_plan_for_two_ranks_is_refused_on_one() -> None:

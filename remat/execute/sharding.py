@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -110,12 +111,19 @@ class ShardedUnit:
             sharded gradients take).
         reshard_after_forward: whether FSDP2 frees the gathered parameters after the
             forward (and all-gathers them again for the backward).
+        frees_before_reduce: whether FSDP2's post-backward frees the gathered
+            parameters and reclaims the previous unit's reduce-scatter input before it
+            makes this unit's (its defaults: ``reshard_after_backward`` and one
+            reduce-scatter input buffer kept); ``False`` where either was changed
+            (``set_reshard_after_backward(False)``,
+            ``set_reduce_scatter_max_input_buffers``), and all three live together.
     """
 
     gathered_bytes: int
     grad_bytes: int
     shard_bytes: int
     reshard_after_forward: bool = True
+    frees_before_reduce: bool = True
 
 
 def sharded_unit(module: nn.Module) -> ShardedUnit:
@@ -135,7 +143,8 @@ def sharded_unit(module: nn.Module) -> ShardedUnit:
     # FSDP2 reduce-scatters the gradients in reduce_dtype, or else in the dtype they were
     # computed in (param_dtype's).
     grads = sum(_bytes(p, reduce_dtype or param_dtype) for p in trainable)
-    return ShardedUnit(gathered, grads, shard, _reshards_after_forward(module))
+    return ShardedUnit(gathered, grads, shard, _reshards_after_forward(module),
+                       _frees_before_reduce(module))
 
 
 def _bytes(p: nn.Parameter, dtype: torch.dtype | None) -> int:
@@ -143,27 +152,44 @@ def _bytes(p: nn.Parameter, dtype: torch.dtype | None) -> int:
     return p.numel() * (dtype.itemsize if dtype else p.element_size())
 
 
+def _param_group(module: nn.Module) -> Any:
+    """``module``'s FSDP2 parameter group (``None`` where it has none or it cannot be read:
+    no ``fully_shard``-ed module, or a torch whose FSDP2 keeps it elsewhere)."""
+    try:
+        return module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    except AttributeError:
+        return None
+
+
 def _mixed_precision(module: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
     """The ``param_dtype`` and ``reduce_dtype`` of ``module``'s FSDP2 mixed-precision
     policy (``None`` where unset or unreadable: the parameters' own)."""
-    try:
-        group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-    except AttributeError:
-        return None, None
-    policy = getattr(group, "mp_policy", None)
+    policy = getattr(_param_group(module), "mp_policy", None)
     return getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None)
 
 
 def _reshards_after_forward(module: nn.Module) -> bool:
     """FSDP2's ``reshard_after_forward`` for ``module`` (``post_forward_mesh_info`` is
     ``None`` when it keeps the parameters gathered to the backward)."""
-    try:
-        group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-    except AttributeError:
-        return True
+    group = _param_group(module)
     if group is None:
         return True
     return getattr(group, "post_forward_mesh_info", True) is not None
+
+
+def _frees_before_reduce(module: nn.Module) -> bool:
+    """Whether ``module``'s FSDP2 post-backward frees its gathered parameters and the
+    previous unit's reduce-scatter input before it makes its own (``False`` where it
+    cannot be read: the three counted together, the larger figure)."""
+    group = _param_group(module)
+    if group is None:
+        return False
+    # FSDP2 keeps one reduce-scatter input by default; the cap is set per module and
+    # resolved, the largest, for all of them at its first forward.
+    buffers = max(getattr(group, "reduce_scatter_max_input_buffers", 1),
+                  getattr(getattr(group, "comm_ctx", None),
+                          "reduce_scatter_max_input_buffers", 1))
+    return getattr(group, "reshard_after_backward", False) is True and buffers == 1
 
 
 def unreduced_grad_bytes(model: nn.Module) -> int:
