@@ -112,9 +112,10 @@ class ShardedUnit:
         reshard_after_forward: whether FSDP2 frees the gathered parameters after the
             forward (and all-gathers them again for the backward).
         frees_before_reduce: whether FSDP2's post-backward frees the gathered
-            parameters and reclaims the previous unit's reduce-scatter input before it
-            makes this unit's (its defaults: ``reshard_after_backward`` and one
-            reduce-scatter input buffer kept); ``False`` where either was changed
+            parameters and reclaims the reduce-scatter input of the unit reduced before
+            (the next one in the forward's order) before it makes this unit's (its
+            defaults: ``reshard_after_backward`` and one reduce-scatter input buffer
+            kept); ``False`` where either was changed
             (``set_reshard_after_backward(False)``,
             ``set_reduce_scatter_max_input_buffers``), and all three live together.
     """
@@ -179,8 +180,8 @@ def _reshards_after_forward(module: nn.Module) -> bool:
 
 def _frees_before_reduce(module: nn.Module) -> bool:
     """Whether ``module``'s FSDP2 post-backward frees its gathered parameters and the
-    previous unit's reduce-scatter input before it makes its own (``False`` where it
-    cannot be read: the three counted together, the larger figure)."""
+    reduce-scatter input of the unit reduced before it, before it makes its own
+    (``False`` where it cannot be read: the three counted together, the larger figure)."""
     group = _param_group(module)
     if group is None:
         return False
