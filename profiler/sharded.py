@@ -359,18 +359,21 @@ def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int,
     unit)."""
     own = figures[i]
     cost = dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + forward_extra)
-    lingering = figures[i + 1].grad_bytes if i + 1 < len(figures) else 0
+    if i + 1 < len(figures):
+        lingering = figures[i + 1].grad_bytes
+    elif own.reshard_after_forward:
+        # The last unit has no next unit's reduce-scatter input; in its place, its own
+        # all-gather output, which the root's pre-backward issued just before (the
+        # suffix's backward is short) and gloo's worker can hold into this compute: the
+        # benchmark's GPT of 8 blocks on 4 gloo ranks, 2 ranks of 4, 1 run of 10,
+        # measured its last block's backward one unit above the rest.
+        lingering = own.gathered_bytes
+    else:
+        lingering = 0
     if own.reshard_after_forward:
         # Gathered for the forward, gathered again for the backward, beside the
         # previous unit's prefetch.
         prefetched = figures[i - 1].gathered_bytes if i > 0 else 0
-        if i + 1 == len(figures):
-            # The last unit has no next unit's reduce-scatter input; in its place, its
-            # own all-gather output, which the root's pre-backward issued just before
-            # (the suffix's backward is short) and gloo's worker can hold into this
-            # compute: the benchmark's GPT of 8 blocks on 4 gloo ranks, 2 ranks of 4,
-            # 1 run of 10, measured its last block's backward one unit above the rest.
-            lingering = own.gathered_bytes
         return dataclasses.replace(
             cost, fwd_peak_bytes=cost.fwd_peak_bytes + own.gathered_bytes,
             bwd_peak_bytes=cost.bwd_peak_bytes + prefetched
