@@ -28,8 +28,9 @@ def on_gloo_ranks(fn: Callable[..., Any], world: int, *args: Any) -> Any:
                                nprocs=world, join=False, start_method="spawn")
     while out.empty():
         # A rank that raised ends the wait with its traceback (join raises it) instead of
-        # leaving this process waiting for an answer that will not come.
-        if procs.join(timeout=1):
+        # leaving this process waiting for an answer that will not come. Ranks that all
+        # ended well may have done so since the answer was looked for: look once more.
+        if procs.join(timeout=1) and out.empty():
             raise RuntimeError("the ranks ended without handing back an answer")
     result = out.get()
     procs.join()

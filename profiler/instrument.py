@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.core.errors import ProfileError
 from remat.execute.boundary import boundary_input, boundary_output
-from remat.execute.sharding import unreduced_grad_bytes
+from remat.execute.sharding import all_gather_output_kept, unreduced_grad_bytes
 from remat.measurement.runner import StepRunner, output_tensors
 from remat.measurement.storage import storage_nbytes
 from remat.profiler.records import (
@@ -103,7 +103,8 @@ class _StepWatch:
     """The meter, the units' records, and who saved what, for one instrumented step."""
 
     def __init__(self, meter: TimelineMeter, units: list[tuple[str, nn.Module]],
-                 read_unreduced: Callable[[], int] = lambda: 0) -> None:
+                 read_unreduced: Callable[[], int] = lambda: 0,
+                 read_kept_gather: Callable[[], torch.Tensor | None] = lambda: None) -> None:
         self.meter = meter
         self.units = [_UnitWatch(i, name) for i, (name, _) in enumerate(units)]
         self.by_module = {id(m): self.units[i] for i, (_, m) in enumerate(units)}
@@ -120,6 +121,11 @@ class _StepWatch:
         # ``read_unreduced``; see Profile.unreduced_grad_bytes).
         self.read_unreduced = read_unreduced
         self.unreduced = 0
+        # FSDP2's all-gather output alive as the suffix starts (the last unit's, kept to
+        # the root's post-forward): the sharded profile counts it, not the suffix
+        # (``all_gather_output_kept``).
+        self.read_kept_gather = read_kept_gather
+        self.kept_gather_record: int | None = None
         self.start = self.forward_end = self.backward_end = self.mark()
 
     def mark(self) -> _Mark:
@@ -158,6 +164,9 @@ class _StepWatch:
         u.output_record = self.meter.record_of(y)
         u.output_bytes = storage_nbytes(y) if u.output_record is not None else 0
         u.output_needs_grad = y is not None and y.requires_grad
+        if u.index == len(self.units) - 1:
+            kept = self.read_kept_gather()
+            self.kept_gather_record = None if kept is None else self.meter.record_of(kept)
         if u.output_needs_grad:
             self.handles.append(y.register_hook(self._backward_hook(u, "start")))
 
@@ -233,7 +242,8 @@ def instrumented_step(
     grad_records: dict[int, tuple[int, int]] = {}  # gradient record -> (tick, id(param))
     with stubbed([m for _, m in units], clock) as clock, meter:
         clock.new_step(shapes_only=False)
-        watch = _StepWatch(meter, units, lambda: unreduced_grad_bytes(model))
+        watch = _StepWatch(meter, units, lambda: unreduced_grad_bytes(model),
+                           lambda: all_gather_output_kept(model))
         try:
             for _, m in units:
                 watch.handles.append(m.register_forward_pre_hook(watch.pre_hook, with_kwargs=True))
@@ -484,8 +494,13 @@ def _suffix_forward(w: _StepWatch, is_chain: bool) -> _SuffixForward:
     # it has already let it go unless someone holds it.
     # Shared tensors count too: simulate() keeps them alive through the suffix (their
     # first user may hold them), so a death here must not lower the suffix's peak.
-    transient = meter.dying_bytes(last.fwd_end.tick, end,
-                                  exclude=[last.output_record] if is_chain else [])
+    # FSDP2's last all-gather output, which dies here at the root's post-forward where
+    # the model's forward holds the suffix (a loss computed inside it), is counted by the
+    # sharded profile as a buffer in flight (profiler/sharded.py): counted here too, the
+    # suffix's forward stood a unit above its real phase on every Llama-style model.
+    transient = meter.dying_bytes(
+        last.fwd_end.tick, end,
+        exclude=[*([last.output_record] if is_chain else []), w.kept_gather_record])
     peak = meter.rise(last.fwd_end.index, w.forward_end.index) + transient
     # A unit's input may die here too (a local of the model's forward held it until the
     # units returned): counted above as a storage simulate() does not count. Where the

@@ -154,7 +154,18 @@ in a unit's forward, 0.90 or more in the suffix's backward, the optimizer step e
 The other candidates measured as counted: the root's parameters are alive from the
 forward to the end of the backward; in a post-backward, the unit's gradients (in the
 replays' peak), its reduce-scatter input and gloo's clone of it (the buffer in flight)
-are alive together once its parameters are resharded. On CUDA the caching allocator counts
+are alive together once its parameters are resharded. Three more (2026-11-29, the same
+runs with ``benchmarks/fsdp.py``'s chunked heads, 6 runs each: 44 configurations): the
+outside step measured FSDP2's last all-gather output dying in the suffix's forward (at the
+root's post-forward, where the model computes its loss inside its forward, as
+``transformers``' do), which the buffer held in flight counts too: it leaves it out now
+(:func:`remat.execute.sharding.all_gather_output_kept`), and the suffix's forward stands
+one unit above its real phase on every Llama (two before); the forward's extra buffers
+are all-gather outputs, sized by a unit's gathered bytes, not its fp32 reduce-scatter
+input (:func:`_gathers_in_flight`; the bf16 Llama's forward phases half a unit closer);
+and a unit kept gathered frees its parameters in its post-backward before it makes its
+reduce-scatter input (``held`` in :func:`_backward_buffers`). No phase of the 44 stood
+below its real phase. On CUDA the caching allocator counts
 every free on every thread and NCCL takes no such copies, so what is counted here for
 gloo's copies and its unrecorded frees errs high there (not measured: no GPU here).
 
@@ -213,7 +224,7 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
     root = max(whole.gathered_bytes - sum(gathered), 0)
     root_grads = max(whole.grad_bytes - sum(f.grad_bytes for f in figures), 0)
     in_flight = _in_flight(figures, IN_FLIGHT_BACKWARD)
-    forward_only = _in_flight(figures, IN_FLIGHT) - in_flight
+    forward_only = _gathers_in_flight(figures, IN_FLIGHT - IN_FLIGHT_BACKWARD)
     root_over = _root_over_unit(figures, max(root, root_grads))
     units = [dataclasses.replace(
         unit, options={name: _with_fsdp(cost, figures, i, forward_only
@@ -272,15 +283,26 @@ def _in_flight(figures: list[ShardedUnit], count: int) -> int:
 
     :data:`IN_FLIGHT` are counted in the forward's phases, :data:`IN_FLIGHT_BACKWARD` in
     the backward's: held from the prefix on, with the difference a peak of each forward
-    phase. Until 2026-11-29 two were counted through the backward too; each phase's
-    margin over its real phase (scratch ``slack.py``: the tests' GPT and
-    ``benchmarks/fsdp.py``'s three Llamas, 2 and 4 gloo ranks, every
-    ``reshard_after_forward``, the floor plan and no checkpointing, 4 runs each) was
+    phase (all-gather outputs: :func:`_gathers_in_flight`). Until 2026-11-29 two were
+    counted through the backward too; each phase's margin over its real phase (scratch
+    ``slack.py``: the tests' GPT and ``benchmarks/fsdp.py``'s three Llamas, 2 and 4 gloo
+    ranks, every ``reshard_after_forward``, the floor plan and no checkpointing, 4 runs each) was
     then at least 1.69 buffers in every backward phase (the bf16 Llama's units; 2.44 on
     the fp32 Llama, 2.83 on the GPT), and 0.42 in a unit's forward, where FSDP2 keeps
     the unit's all-gather output alive beside the one the forward's figure counts. Where
     the plan's peak is in the backward, the second buffer was a unit above the step."""
     return count * _unit_buffer(figures)
+
+
+def _gathers_in_flight(figures: list[ShardedUnit], count: int) -> int:
+    """The bytes of ``count`` all-gather outputs in flight: the buffers the forward's
+    phases count beyond those held through the step (:func:`_in_flight`). The forward
+    issues all-gathers only (FSDP2 reduce-scatters in the backward, and waits for the
+    last one at the end of it), so a unit's gathered bytes size them: under a bf16
+    mixed-precision policy half its fp32 reduce-scatter input, which sized them until
+    2026-11-29 (the suffix's forward of ``benchmarks/fsdp.py``'s bf16 Llama stood 1.5
+    units above its real phase then, 4 gloo ranks, 6 runs)."""
+    return count * max((f.gathered_bytes for f in figures), default=0)
 
 
 def _unit_buffer(figures: list[ShardedUnit]) -> int:
@@ -361,15 +383,16 @@ def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int,
     cost = dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + forward_extra)
     if i + 1 < len(figures):
         lingering = figures[i + 1].grad_bytes
-    elif own.reshard_after_forward:
-        # The last unit has no next unit's reduce-scatter input; in its place, its own
-        # all-gather output, which the root's pre-backward issued just before (the
-        # suffix's backward is short) and gloo's worker can hold into this compute: the
-        # benchmark's GPT of 8 blocks on 4 gloo ranks, 2 ranks of 4, 1 run of 10,
-        # measured its last block's backward one unit above the rest.
-        lingering = own.gathered_bytes
     else:
-        lingering = 0
+        # The last unit has no next unit's reduce-scatter input; in its place, its own
+        # all-gather output, which gloo's worker can hold into this compute: the root's
+        # pre-backward's, issued just before (the suffix's backward is short), where it
+        # reshards (the benchmark's GPT of 8 blocks on 4 gloo ranks, 2 ranks of 4, 1 run
+        # of 10, measured its last block's backward one unit above the rest), and the
+        # forward's, which FSDP2 let go at the root's post-forward, where it is kept
+        # gathered (that GPT under False on 2 ranks, keep 8: 24.02 to 24.77 MiB over 6
+        # runs, one unit apart; 2026-11-29).
+        lingering = own.gathered_bytes
     if own.reshard_after_forward:
         # Gathered for the forward, gathered again for the backward, beside the
         # previous unit's prefetch.
@@ -382,10 +405,12 @@ def _with_fsdp(cost: OptionCost, figures: list[ShardedUnit], i: int,
     return dataclasses.replace(
         cost, held_bytes=cost.held_bytes + own.gathered_bytes,
         fwd_peak_bytes=cost.fwd_peak_bytes + own.gathered_bytes,
-        bwd_peak_bytes=cost.bwd_peak_bytes + _backward_buffers(own, 0, lingering))
+        bwd_peak_bytes=cost.bwd_peak_bytes
+        + _backward_buffers(own, 0, lingering, held=own.gathered_bytes))
 
 
-def _backward_buffers(own: ShardedUnit, regathered: int, lingering: int) -> int:
+def _backward_buffers(own: ShardedUnit, regathered: int, lingering: int, *,
+                      held: int = 0) -> int:
     """What FSDP2 adds to a unit's backward besides the previous unit's prefetch: its
     parameters gathered again (``regathered``), the next unit's reduce-scatter input not
     yet reclaimed (``lingering``), and its own reduce-scatter input (``own.grad_bytes``).
@@ -395,9 +420,11 @@ def _backward_buffers(own: ShardedUnit, regathered: int, lingering: int) -> int:
     and only once the post-backward has resharded its parameters and reclaimed the
     next unit's buffer. So the backward's compute holds the first two, the post-backward
     the third (beside the compute's gradients, still at most its peak, and the buffer in
-    flight, gloo's clone of that input). Where FSDP2's defaults are changed
-    (``set_reshard_after_backward(False)``, more reduce-scatter input buffers), the
-    three are summed.
+    flight, gloo's clone of that input). Where the unit is kept gathered from its forward,
+    its parameters (``held``: in the option's held bytes, alive at its backward's event) are
+    among what the post-backward frees first: its input takes their place. Where FSDP2's
+    defaults are changed (``set_reshard_after_backward(False)``, more reduce-scatter
+    input buffers), the three are summed.
 
     Until 2026-11-29 they were summed everywhere: a buffer above either moment. Each
     backward cut at FSDP2's post-backward (scratch ``slack2.py``: the tests' GPT and
@@ -411,4 +438,4 @@ def _backward_buffers(own: ShardedUnit, regathered: int, lingering: int) -> int:
     :func:`_with_fsdp` counts its own all-gather output in that place."""
     if not own.frees_before_reduce:
         return regathered + lingering + own.grad_bytes
-    return max(regathered + lingering, own.grad_bytes)
+    return max(regathered + lingering, own.grad_bytes - held)

@@ -304,6 +304,88 @@ def test_the_roots_all_gathers_are_counted_once(free_port: int) -> None:
     _spawn(_check_root_gathers_counted_once, free_port)
 
 
+def _check_suffix_counts_the_last_gather_once(rank: int) -> None:
+    # FSDP2 keeps the last unit's all-gather output to the root's post-forward, which runs
+    # inside the suffix's forward where the model computes its loss (transformers'): the
+    # outside step measured it dying there, and the sharded profile counts it as a buffer
+    # in flight too, so the suffix's forward stood a unit above its real phase on every
+    # Llama-style model (2026-11-29). The outside step now leaves it to the sharded
+    # profile: its suffix is the unsharded model's, plus the buffers in flight.
+    import remat
+    from remat.execute.sharding import all_gather_output_kept, sharded_unit
+    from remat.models import build
+    from remat.profiler.sharded import IN_FLIGHT, IN_FLIGHT_BACKWARD, _gathers_in_flight
+
+    model, batch = _sharded_llama()
+    layers = list(model.model.layers)
+    kept: list[int] = []
+
+    def after_last(*_: object) -> None:
+        out = all_gather_output_kept(model)
+        kept.append(-1 if out is None else out.numel() * out.element_size())
+
+    handle = layers[-1].register_forward_hook(after_last)
+    model(**batch).loss.backward()
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    unit = sharded_unit(layers[-1]).gathered_bytes
+    assert kept == [unit], (kept, unit)  # alive after the last unit's post-forward
+    assert all_gather_output_kept(model) is None  # the root's post-forward let it go
+    plain = build("hf-llama", depth=3, width=256, heads=4, seq_len=64, vocab_size=2048,
+                  batch_size=2, dropout=0.0, seed=0)
+    figures = [sharded_unit(layer) for layer in layers]
+    forward_only = _gathers_in_flight(figures, IN_FLIGHT - IN_FLIGHT_BACKWARD)
+    sharded = remat.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters()))
+    alone = remat.profile(plain.model, plain.batch,
+                          optimizer=torch.optim.AdamW(plain.model.parameters()))
+    own = sharded.suffix.fwd_peak_bytes - forward_only
+    assert abs(own - alone.suffix.fwd_peak_bytes) < unit // 4, (own, alone.suffix, unit)
+
+
+def test_the_suffix_forward_counts_the_last_all_gather_once(free_port: int) -> None:
+    _spawn(_check_suffix_counts_the_last_gather_once, free_port)
+
+
+def _check_root_left_gathered(rank: int) -> None:
+    # An evaluation forward before solve (no backward) leaves FSDP2's root gathered, its
+    # unsharded tensors standing as its parameters: the profile's optimizer step then
+    # crashed the rank (a segmentation fault, 2026-11-29). The profile reshards it first,
+    # as a backward would have, and the model trains as an untouched one does.
+    from torch.distributed.tensor import DTensor
+
+    import remat
+    from remat.core.errors import RematError
+
+    model, batch = _sharded_llama()  # the root keeps its gather (FSDP2's default)
+    twin, _ = _sharded_llama()
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.no_grad():
+        model(**batch)
+    assert not all(isinstance(p, DTensor) for p in model.parameters())  # the root gathered
+    # An optimizer built now holds the root's unsharded tensors, which the reshard frees:
+    # refused on every rank, with the fix.
+    with pytest.raises(RematError, match=r"rank 0: 3 of the optimizer's parameters have no "
+                                         r"storage.*after fully_shard and outside a step"):
+        remat.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters()))
+    with torch.no_grad():
+        model(**batch)
+    remat.profile(model, batch, optimizer=opt)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    losses = []
+    for m, o in ((model, opt), (twin, torch.optim.AdamW(twin.parameters()))):
+        loss = m(**batch).loss
+        loss.backward()
+        o.step()
+        losses.append(loss.detach())
+    assert torch.equal(*losses)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local())
+
+
+def test_a_root_left_gathered_by_an_evaluation_is_resharded_first(free_port: int) -> None:
+    _spawn(_check_root_left_gathered, free_port)
+
+
 def _check_unreduced_root_grads_counted(rank: int) -> None:
     # The head's gradient, made in the suffix's backward (or, as here, by the head made a
     # unit), waits unsharded for the root's reduce-scatter at the end of the backward:
@@ -559,8 +641,9 @@ def test_ranks_that_disagree_get_an_error_naming_the_rank(free_port: int) -> Non
 
 def test_the_buffers_in_flight_are_units_and_the_root_only_in_its_phases() -> None:
     # Each buffer in flight is an all-gather output or a reduce-scatter input, sized by
-    # the larger of a unit's two: IN_FLIGHT_BACKWARD held from the prefix on, the rest of
-    # IN_FLIGHT a peak of each forward phase. The root's buffer, where it outweighs a
+    # the larger of a unit's two: IN_FLIGHT_BACKWARD held from the prefix on; the rest of
+    # IN_FLIGHT, a peak of each forward phase, all-gather outputs (the forward reduces
+    # nothing), sized by a unit's gathered bytes. The root's buffer, where it outweighs a
     # unit's, is counted by the difference in the root's own phases only: the prefix's
     # forward and backward and the first unit's forward (profiler/sharded.py).
     import dataclasses
@@ -570,6 +653,7 @@ def test_the_buffers_in_flight_are_units_and_the_root_only_in_its_phases() -> No
     from remat.profiler.sharded import (
         IN_FLIGHT,
         IN_FLIGHT_BACKWARD,
+        _gathers_in_flight,
         _holding,
         _in_flight,
         _root_over_unit,
@@ -582,6 +666,8 @@ def test_the_buffers_in_flight_are_units_and_the_root_only_in_its_phases() -> No
     assert _in_flight(units, IN_FLIGHT) == IN_FLIGHT * 400
     assert _in_flight(units, IN_FLIGHT_BACKWARD) == IN_FLIGHT_BACKWARD * 400
     assert _in_flight([], IN_FLIGHT) == 0
+    assert _gathers_in_flight(units, IN_FLIGHT - IN_FLIGHT_BACKWARD) == (
+        IN_FLIGHT - IN_FLIGHT_BACKWARD) * 300  # gathered, not the fp32 reduce input
     assert _holding(OutsideCost(held_bytes=7, fwd_peak_bytes=10, bwd_peak_bytes=20),
                     400, 400) == OutsideCost(held_bytes=407, fwd_peak_bytes=810,
                                              bwd_peak_bytes=20)
@@ -608,9 +694,12 @@ def test_the_buffers_in_flight_are_units_and_the_root_only_in_its_phases() -> No
     # All three together where FSDP2's post-backward does not free before it reduces
     summed = [dataclasses.replace(u, frees_before_reduce=False) for u in units]
     assert _with_fsdp(cost, summed, 0).bwd_peak_bytes == 20 + 300 + 300 + 400
+    # Kept gathered: its post-backward reshards them (held, so freed there) before it
+    # makes its own input; the last unit's forward all-gather output can linger.
     kept = [dataclasses.replace(u, reshard_after_forward=False) for u in units]
-    assert _with_fsdp(cost, kept, 0).bwd_peak_bytes == 20 + max(400, 300)
+    assert _with_fsdp(cost, kept, 0).bwd_peak_bytes == 20 + max(400, 300 - 300)
     assert _with_fsdp(cost, kept, 0).held_bytes == 300
+    assert _with_fsdp(cost, kept, 1).bwd_peak_bytes == 20 + max(200, 400 - 200)
 
 
 def test_a_plan_for_two_ranks_is_refused_on_one() -> None:

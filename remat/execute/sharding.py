@@ -20,7 +20,8 @@ from torch import nn
 from remat.core.errors import PlanMismatchError
 from remat.core.plan import Plan
 
-__all__ = ["ShardedUnit", "check_world_size", "is_sharded", "refusal_on_every_rank",
+__all__ = ["ShardedUnit", "all_gather_output_kept", "check_world_size", "is_sharded",
+           "freed_optimizer_params", "refusal_on_every_rank", "resharded_at_rest",
            "root_kept_gathered", "root_owned_grad_bytes", "sharded_inside", "sharded_unit",
            "unreduced_grad_bytes", "world_size"]
 
@@ -212,6 +213,64 @@ def unreduced_grad_bytes(model: nn.Module) -> int:
     except AttributeError:
         return 0
     return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+
+
+def resharded_at_rest(model: nn.Module) -> list[str]:
+    """Reshard each ``fully_shard``-ed module of ``model`` that a forward left gathered
+    without its backward; the names of those it resharded ("" for ``model`` itself).
+
+    Between training steps FSDP2's modules hold their sharded parameters, the DTensors
+    the optimizer steps. After a forward with no backward (an evaluation under
+    ``torch.no_grad()``, say) the root stays gathered (``reshard_after_forward=False``
+    is the root's default, and only its post-backward reshards it), its unsharded
+    tensors standing as its parameters: remat's passes, which snapshot
+    ``model.parameters()`` and step the optimizer, then ran on both, and AdamW's step
+    crashed the process (a segmentation fault, a Llama-style model from ``transformers``
+    on 2 gloo ranks, torch 2.13; 2026-11-29). Resharding is what the backward would have
+    done, and the parameters' values are unchanged; FSDP2 gathers them again at the next
+    forward. Its price: that all-gather, which the next forward makes anyway. Local to
+    the rank: no collective."""
+    cls = _fsdp_module_class()
+    if cls is None:
+        return []
+    resharded = []
+    for name, module in model.named_modules():
+        group = _param_group(module) if isinstance(module, cls) else None
+        if group is not None and getattr(group, "is_unsharded", False):
+            module.reshard()  # type: ignore[operator]
+            resharded.append(name)
+    return resharded
+
+
+def freed_optimizer_params(optimizer: Any) -> int:
+    """How many of ``optimizer``'s parameters have no storage left: the unsharded tensors
+    of a module FSDP2 held gathered when the optimizer was built (after a forward with
+    no backward), freed since by its reshard. Stepping them reads freed memory; and the
+    sharded parameters they stood for are in no optimizer, so they never train."""
+    if optimizer is None:
+        return 0
+    return sum(1 for group in optimizer.param_groups for p in group["params"]
+               if isinstance(p, torch.Tensor) and p.numel() > 0
+               and p.untyped_storage().nbytes() == 0)
+
+
+def all_gather_output_kept(model: nn.Module) -> torch.Tensor | None:
+    """The all-gather output ``model``'s FSDP2 keeps alive now for the next copy-out
+    (``comm_ctx.all_gather_state``: in the forward, a unit's output stays until the next
+    unit's copy-out, the last unit's until the root's post-forward); ``None`` where none
+    is kept, ``model`` is no ``fully_shard``-ed root, or its state cannot be read.
+
+    For the profiler's outside step (:mod:`remat.profiler.instrument`): the last unit's
+    stays into the suffix's forward, where the sharded profile counts it as a buffer in
+    flight (:mod:`remat.profiler.sharded`), so the suffix's own figure must not."""
+    cls = _fsdp_module_class()
+    if cls is None or not isinstance(model, cls):
+        return None
+    try:
+        state = model._get_fsdp_state()._comm_ctx.all_gather_state  # type: ignore[operator]
+    except AttributeError:
+        return None
+    return None if state is None else state.all_gather_result.all_gather_output
 
 
 def root_owned_grad_bytes(module: nn.Module, root: nn.Module) -> int:

@@ -44,7 +44,13 @@ from remat.core.errors import RematError
 from remat.core.plan import Plan
 from remat.core.profile import Profile
 from remat.core.settings import ProfilingSettings, Verify
-from remat.execute.sharding import is_sharded, world_size
+from remat.execute.sharding import (
+    freed_optimizer_params,
+    is_sharded,
+    refusal_on_every_rank,
+    resharded_at_rest,
+    world_size,
+)
 from remat.tune.ranks import (
     AGREE_TIMEOUT_S,
     agree,
@@ -93,6 +99,20 @@ def profile_sharded(
                          "'blocks' (each fully_shard-ed block a unit) is supported there")
     agree(call_description(model, sample_batch, memory_budget, settings, call, group=group),
           timeout_s=timeout_s, group=group)
+    resharded = resharded_at_rest(model)
+    if resharded:
+        log.info("remat: resharded %s, left gathered by a forward without its backward "
+                 "(FSDP2 gathers them again at the next forward)",
+                 ", ".join(repr(n or type(model).__name__) for n in resharded))
+    freed = freed_optimizer_params(settings.optimizer)
+    refusal = refusal_on_every_rank(model, None if not freed else (
+        f"{freed} of the optimizer's parameters have no storage: they are the unsharded "
+        "tensors of a module FSDP2 held gathered when the optimizer was built (after a "
+        "forward without its backward), freed since, and the sharded parameters they "
+        "stood for are in no optimizer; build the optimizer over model.parameters() "
+        "after fully_shard and outside a step (before any forward, or after a backward)"))
+    if refusal is not None:
+        raise RematError(refusal)
     local, _ = profile_levels(model, sample_batch,
                               **settings.replace(tolerance=0.0, progress=False).as_kwargs())
     return worst_rank_profile(sharded_profile(local, model), model, group)
