@@ -40,7 +40,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.core.errors import RematError
+from remat.core.errors import ArgumentError, RematError
 from remat.core.plan import Plan
 from remat.core.profile import Profile
 from remat.core.settings import ProfilingSettings, Verify
@@ -87,9 +87,16 @@ def profile_sharded(
     (stopping a time figure early on one rank's timings would skip collectives the others
     run) and ``progress`` is off.
 
+    A module a forward left gathered without its backward (an evaluation under
+    ``no_grad``) is resharded first, as the backward would have
+    (:func:`~remat.execute.sharding.resharded_at_rest`).
+
     Raises:
         RematError: no process group, ranks that disagree or do not all call, or
             ``granularity`` other than ``"blocks"`` (each ``fully_shard``-ed block a unit).
+        ArgumentError: on every rank, where a rank's optimizer holds tensors FSDP2 has
+            freed (built while a module was gathered:
+            :func:`~remat.execute.sharding.freed_optimizer_params`).
     """
     from remat.profiler import profile_levels
     from remat.profiler.sharded import sharded_profile
@@ -112,7 +119,7 @@ def profile_sharded(
         "stood for are in no optimizer; build the optimizer over model.parameters() "
         "after fully_shard and outside a step (before any forward, or after a backward)"))
     if refusal is not None:
-        raise RematError(refusal)
+        raise ArgumentError(refusal)
     local, _ = profile_levels(model, sample_batch,
                               **settings.replace(tolerance=0.0, progress=False).as_kwargs())
     return worst_rank_profile(sharded_profile(local, model), model, group)
