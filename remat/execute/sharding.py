@@ -154,13 +154,23 @@ def _bytes(p: nn.Parameter, dtype: torch.dtype | None) -> int:
     return p.numel() * (dtype.itemsize if dtype else p.element_size())
 
 
+def _fsdp_state(module: nn.Module) -> Any:
+    """``module``'s own FSDP2 state (``None`` where ``module`` is no ``fully_shard``-ed
+    module or a torch keeps the state elsewhere). The one reader of FSDP2's private
+    state: its users read what they need off it with ``getattr`` defaults."""
+    cls = _fsdp_module_class()
+    if cls is None or not isinstance(module, cls):
+        return None
+    try:
+        return module._get_fsdp_state()  # type: ignore[operator]
+    except AttributeError:
+        return None
+
+
 def _param_group(module: nn.Module) -> Any:
     """``module``'s FSDP2 parameter group (``None`` where it has none or it cannot be read:
     no ``fully_shard``-ed module, or a torch whose FSDP2 keeps it elsewhere)."""
-    try:
-        return module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-    except AttributeError:
-        return None
+    return getattr(_fsdp_state(module), "_fsdp_param_group", None)
 
 
 def _mixed_precision(module: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -203,11 +213,8 @@ def unreduced_grad_bytes(model: nn.Module) -> int:
     whose inputs need no gradient runs at the end of the backward: a head's gradient,
     made in the suffix's backward, stays unsharded through every unit's backward (8 MiB,
     the head of a Llama with a vocabulary of 8192, on every rank)."""
-    cls = _fsdp_module_class()
-    if cls is None or not isinstance(model, cls):
-        return 0
     try:
-        groups = model._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+        groups = getattr(_fsdp_state(model), "_fsdp_param_groups", ())
         params = [fp._unsharded_param for g in groups for fp in g.fsdp_params
                   if hasattr(fp, "_unsharded_param")]
     except AttributeError:
@@ -230,13 +237,9 @@ def resharded_at_rest(model: nn.Module) -> list[str]:
     done, and the parameters' values are unchanged; FSDP2 gathers them again at the next
     forward. Its price: that all-gather, which the next forward makes anyway. Local to
     the rank: no collective."""
-    cls = _fsdp_module_class()
-    if cls is None:
-        return []
     resharded = []
     for name, module in model.named_modules():
-        group = _param_group(module) if isinstance(module, cls) else None
-        if group is not None and getattr(group, "is_unsharded", False):
+        if getattr(_param_group(module), "is_unsharded", False):
             module.reshard()  # type: ignore[operator]
             resharded.append(name)
     return resharded
@@ -263,14 +266,8 @@ def all_gather_output_kept(model: nn.Module) -> torch.Tensor | None:
     For the profiler's outside step (:mod:`remat.profiler.instrument`): the last unit's
     stays into the suffix's forward, where the sharded profile counts it as a buffer in
     flight (:mod:`remat.profiler.sharded`), so the suffix's own figure must not."""
-    cls = _fsdp_module_class()
-    if cls is None or not isinstance(model, cls):
-        return None
-    try:
-        state = model._get_fsdp_state()._comm_ctx.all_gather_state  # type: ignore[operator]
-    except AttributeError:
-        return None
-    return None if state is None else state.all_gather_result.all_gather_output
+    kept = getattr(getattr(_fsdp_state(model), "_comm_ctx", None), "all_gather_state", None)
+    return None if kept is None else kept.all_gather_result.all_gather_output
 
 
 def root_owned_grad_bytes(module: nn.Module, root: nn.Module) -> int:
