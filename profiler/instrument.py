@@ -10,7 +10,9 @@ by the unit's own record (:class:`_UnitWatch`). The units' own costs are the rep
 unit's forward, so profiling a model that does not fit runs within the memory of the
 most frugal plan.
 
-* forward pre/post hooks on the units mark where each unit starts and ends;
+* forward pre/post hooks on the units mark where each unit starts and ends (a unit
+  FSDP2 shards starts before FSDP2's pre-forward, whose all-gather is the unit's, as the
+  sharded profile counts it; the root is gathered before the first mark);
 * tensor hooks on each unit's boundary input and output mark where its backward
   starts (its output's gradient is ready) and ends (its input's gradient is
   ready). Tensor hooks do not change the graph, unlike module backward hooks;
@@ -48,7 +50,12 @@ from torch.utils._pytree import tree_flatten
 
 from remat.core.errors import ProfileError
 from remat.execute.boundary import boundary_input, boundary_output
-from remat.execute.sharding import all_gather_output_kept, unreduced_grad_bytes
+from remat.execute.sharding import (
+    all_gather_output_kept,
+    root_kept_gathered,
+    starts_with_gather,
+    unreduced_grad_bytes,
+)
 from remat.measurement.runner import StepRunner, output_tensors
 from remat.measurement.storage import storage_nbytes
 from remat.profiler.records import (
@@ -134,10 +141,17 @@ class _StepWatch:
                      time.perf_counter())
 
     # -- module hooks -------------------------------------------------------------
-    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def start_hook(self, module: nn.Module, args: tuple) -> None:
+        """Where unit ``module`` starts: registered before any other hook of a unit whose
+        call starts with FSDP2's all-gather (see :func:`instrumented_step`)."""
         u = self.by_module[id(module)]
         u.fwd_start = self.mark()
         self.phase = ("unit", u.index)
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """What unit ``module`` is called on, as its forward sees it (after its other
+        pre-hooks: FSDP2's may cast the inputs)."""
+        u = self.by_module[id(module)]
         located = boundary_input(args, kwargs)
         x = located[1] if located is not None else None
         u.input_record = self.meter.record_of(x)
@@ -240,12 +254,23 @@ def instrumented_step(
     model, loop = runner.model, runner.loop
     meter = TimelineMeter(device_type=runner.device_type, allocator=True)
     grad_records: dict[int, tuple[int, int]] = {}  # gradient record -> (tick, id(param))
-    with stubbed([m for _, m in units], clock) as clock, meter:
+    # FSDP2's root gathered inside the region, before the step's first mark: no window
+    # measures the root's all-gathers (the sharded profile counts them), and the meter
+    # sees its parameters freed at its post-backward, in the prefix's backward. Gathered
+    # before the region (until 2026-11-29) they were storages from before it, whose free
+    # neither view subtracts: that window stood the root's size (16 MiB) high.
+    with (stubbed([m for _, m in units], clock) as clock, meter,
+          root_kept_gathered(model)):
         clock.new_step(shapes_only=False)
         watch = _StepWatch(meter, units, lambda: unreduced_grad_bytes(model),
                            lambda: all_gather_output_kept(model))
         try:
             for _, m in units:
+                # FSDP2's pre-forward all-gathers the unit: its output and the gathered
+                # parameters are the unit's (the sharded profile counts them in its
+                # forward and the buffers in flight), not the code's before it.
+                watch.handles.append(m.register_forward_pre_hook(
+                    watch.start_hook, prepend=starts_with_gather(m)))
                 watch.handles.append(m.register_forward_pre_hook(watch.pre_hook, with_kwargs=True))
                 watch.handles.append(m.register_forward_hook(watch.post_hook, with_kwargs=True))
             with torch.autograd.graph.saved_tensors_hooks(watch.pack, watch.unpack):

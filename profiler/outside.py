@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from remat.execute.head import HeadSite, chunk_counts, chunked_head
-from remat.execute.sharding import root_kept_gathered
 from remat.measurement.runner import StepRunner
 from remat.measurement.state import ModelState
 from remat.measurement.timing import Stopwatch
@@ -169,10 +168,7 @@ def _measure(
         with chunked_head(runner.model, site, chunks):
             state.between_passes()
             watch.sync()  # the replays' queued work done before the meter starts
-            # FSDP2's root gathered before the step's first mark, so that no window of it
-            # measures the root's all-gathers (the sharded profile counts them).
-            with root_kept_gathered(runner.model):
-                step = instrumented_step(runner, ordered, is_chain=is_chain, clock=clock)
+            step = instrumented_step(runner, ordered, is_chain=is_chain, clock=clock)
             state.restore_params()
             times = time_outside(runner, modules, state, watch, warmup=timed.warmup,
                                  repeats=timed.repeats, tolerance=timed.tolerance,

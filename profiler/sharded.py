@@ -40,7 +40,8 @@ the model (:mod:`remat.execute.sharding`):
   :data:`IN_FLIGHT_BACKWARD` through the backward (one fewer from 2026-11-29: the
   backward's phases never used the second), and where the root's buffer outweighs a
   unit's, the difference in the root's own phases (:func:`_root_over_unit`: the
-  prefix's forward and backward, the first unit's forward):
+  prefix's forward and backward, the first unit's forward; in the prefix's backward, the
+  first unit's reduce-scatter input where that is larger, :func:`_root_phases`):
   FSDP2's asynchronous collectives let buffers of other units outlive the hooks that
   made them, and gloo adds buffers of its own (the staging of an all-gather that runs
   beside the compute, the clone of a reduce-scatter's input), by a varying amount from
@@ -165,7 +166,20 @@ are all-gather outputs, sized by a unit's gathered bytes, not its fp32 reduce-sc
 input (:func:`_gathers_in_flight`; the bf16 Llama's forward phases half a unit closer);
 and a unit kept gathered frees its parameters in its post-backward before it makes its
 reduce-scatter input (``held`` in :func:`_backward_buffers`). No phase of the 44 stood
-below its real phase. On CUDA the caching allocator counts
+below its real phase. Then the prefix (2026-11-29, midday; the 44 again, the backward now
+cut at the root's post-backward too): the outside step's prefix forward ended after
+FSDP2's pre-forward of the first unit, and under FSDP2's default the root was gathered
+inside it, so it held the first unit's all-gather output and parameters and the root's
+(1 to 13.6 units above its real phase); it now ends before that hook
+(:func:`remat.execute.sharding.starts_with_gather`) with the root gathered first under
+either setting, and stands 0.88 to 1.88 units above. The root gathered before the meter's
+region held storages whose free at its post-backward no view subtracted: the prefix's
+backward stood the root's size high (16 MiB on the large vocabulary). It is gathered
+inside the region now (:func:`remat.execute.sharding.root_kept_gathered`), and the
+prefix's backward counts the first unit's reduce-scatter input where it outweighs the
+root's buffer (:func:`_root_phases`): each backward phase of the prefix 0.73 units or
+more above its real phase (the tests' GPT stood 0.26 below before), the root's
+post-backward 0.73 to 5.2. On CUDA the caching allocator counts
 every free on every thread and NCCL takes no such copies, so what is counted here for
 gloo's copies and its unrecorded frees errs high there (not measured: no GPU here).
 
@@ -243,7 +257,8 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
     def prefix(part: OutsideCost, suffix: OutsideCost) -> OutsideCost:
         late = max(root_shard - part.param_grad_bytes - suffix.param_grad_bytes, 0)
         return dataclasses.replace(
-            _root_phases(_holding(part, held, forward_only), root_over),
+            _root_phases(_holding(part, held, forward_only), root_over,
+                         figures[0].grad_bytes if figures else 0),
             param_grad_bytes=part.param_grad_bytes + late)
 
     def suffix(part: OutsideCost) -> OutsideCost:
@@ -251,7 +266,7 @@ def sharded_profile(profile: Profile, model: nn.Module) -> Profile:
         if not whole.reshard_after_forward:
             return part
         last = figures[-1].gathered_bytes if figures[-1].reshard_after_forward else 0
-        return _root_gathered_again(part, root + last)
+        return _root_gathered_again(part, root + 2 * last)
 
     head = profile.head
     if head is not None:
@@ -324,17 +339,30 @@ def _root_over_unit(figures: list[ShardedUnit], root_buffer: int) -> int:
     return max(root_buffer - _unit_buffer(figures), 0)
 
 
-def _root_phases(part: OutsideCost, over: int) -> OutsideCost:
-    """The prefix's ``part`` with the root's buffer ``over`` a unit's in its forward (the
-    root's all-gather output, which FSDP2 keeps to the first unit's copy-out:
-    ``comm_ctx.all_gather_state``) and its backward (the root's reduce-scatter input,
-    the root's gradients, and gloo's clone of it, at FSDP2's last post-backward), as a
-    peak, not held."""
+def _root_phases(part: OutsideCost, over: int, lingering: int) -> OutsideCost:
+    """The prefix's ``part`` with FSDP2's buffers the outside step may not see, as peaks,
+    not held: in its forward, the root's all-gather output by what it outweighs a unit
+    (``over``: FSDP2 keeps it to the first unit's copy-out, ``comm_ctx.all_gather_state``;
+    the outside step gathers the root before its first mark); in its backward, the larger
+    of ``over`` and the first unit's reduce-scatter input (``lingering``).
+
+    The backward's two are not alive together. The first unit's reduce-scatter input
+    stays until the root's post-backward reclaims it, through the embeddings' backward,
+    and the outside step's stub units make none (no gradients to reduce): left out, the
+    tests' GPT stood 0.26 units below its real phase there (2026-11-29). The root's
+    post-backward then makes its reduce-scatter input and gloo's clone of it, which the
+    outside step measures in some profiles and not others: the allocator's view of the
+    prefix's backward of one Llama (vocabulary 8192, 2 gloo ranks) rose 9.3 MB in one
+    profile and 21.9 MB in four, the same step (scratch ``pbwd5.py``). So ``over`` stays
+    the envelope there; with it the root's post-backward stood 0.83 to 4.2 units above its
+    real phase on the Llamas (scratch ``slack2.py``, each backward cut at FSDP2's
+    post-backwards, the root's included, 6 runs)."""
     stepped = part.stepped_bwd_peak_bytes
+    backward = max(over, lingering)
     return dataclasses.replace(
         part, fwd_peak_bytes=part.fwd_peak_bytes + over,
-        bwd_peak_bytes=part.bwd_peak_bytes + over,
-        stepped_bwd_peak_bytes=None if stepped is None else stepped + over)
+        bwd_peak_bytes=part.bwd_peak_bytes + backward,
+        stepped_bwd_peak_bytes=None if stepped is None else stepped + backward)
 
 
 def _root_gathered_again(part: OutsideCost, floor: int) -> OutsideCost:
@@ -342,8 +370,9 @@ def _root_gathered_again(part: OutsideCost, floor: int) -> OutsideCost:
     starts with the root's pre-backward, which all-gathers the root's parameters again
     and prefetches the last unit's; ``floor`` is what that holds beyond what the step
     counts held (the root's parameters, the buffers in flight): the root's all-gather
-    output, and the last unit's parameters gathered again where it reshards (its
-    copy-out can run before the suffix's window ends). A peak of its own, before the
+    output, and the last unit's all-gather output and its parameters gathered again where
+    it reshards (alive together at its copy-out, which can run before the suffix's window
+    ends). A peak of its own, before the
     suffix's own backward runs, so a floor of the suffix's backward peak and not one more
     on it. The outside step measured none of the root's traffic: its root is kept
     gathered (:func:`remat.execute.sharding.root_kept_gathered`).
@@ -356,7 +385,13 @@ def _root_gathered_again(part: OutsideCost, floor: int) -> OutsideCost:
     parameters keep the margin of a unit the other phases have. (A run of
     ``benchmarks/fsdp.py`` at 22:32 UTC, with the output less a unit as the floor and
     before the root's unsharded gradients were counted, had one plan 0.5% below its
-    allocator's worst run.)"""
+    allocator's worst run.) With the root's output and the last unit's parameters, this
+    phase then stood exactly at its worst run (scratch ``slack2.py``, 4 ranks, 6 runs),
+    which no plan's peak reached while the prefix's backward stood 4 units high; once it
+    no longer did, ``benchmarks/fsdp.py`` (2026-11-29 11:36 UTC) had two plans of the
+    large vocabulary with its head chunked a few bytes below their allocator's worst run
+    (91.11 MiB, a run two units above its least). The last unit's all-gather output is
+    counted too since: the margin of a unit the other phases have."""
     stepped = part.stepped_bwd_peak_bytes
     return dataclasses.replace(
         part, bwd_peak_bytes=max(part.bwd_peak_bytes, floor),

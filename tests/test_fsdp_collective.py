@@ -340,6 +340,37 @@ def _check_suffix_counts_the_last_gather_once(rank: int) -> None:
                           optimizer=torch.optim.AdamW(plain.model.parameters()))
     own = sharded.suffix.fwd_peak_bytes - forward_only
     assert abs(own - alone.suffix.fwd_peak_bytes) < unit // 4, (own, alone.suffix, unit)
+    # The prefix's forward, as measured (before the per-rank model adds FSDP2's buffers),
+    # is the unsharded model's: its window ends before FSDP2's pre-forward of the first
+    # unit, and the root is gathered before it starts, whatever its setting (FSDP2's
+    # default here: kept gathered after the forward). Until 2026-11-29 it held the first
+    # unit's all-gather output and parameters and the root's: 14.15 MiB against 0.20 on
+    # a Llama of 4 ranks.
+    measured = _as_measured(model, batch)
+    assert abs(measured.prefix.fwd_peak_bytes - alone.prefix.fwd_peak_bytes) < unit // 4, (
+        measured.prefix, alone.prefix, unit)
+
+
+
+def _as_measured(model: torch.nn.Module, batch: dict) -> object:
+    """``remat.profile`` of the sharded ``model`` as its passes measured it, before the
+    per-rank model (:func:`remat.profiler.sharded.sharded_profile`) adds FSDP2's buffers."""
+    import remat
+    import remat.profiler.sharded as sharded  # looked up at each call by remat.tune
+
+    seen = []
+    per_rank = sharded.sharded_profile
+
+    def keep(profile: object, m: torch.nn.Module) -> object:
+        seen.append(profile)
+        return per_rank(profile, m)
+
+    sharded.sharded_profile = keep
+    try:
+        remat.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters()))
+    finally:
+        sharded.sharded_profile = per_rank
+    return seen[-1]
 
 
 def test_the_suffix_forward_counts_the_last_all_gather_once(free_port: int) -> None:
@@ -355,6 +386,8 @@ def _check_root_left_gathered(rank: int) -> None:
 
     import remat
     from remat.core.errors import RematError
+    from remat.execute.sharding import resharded_at_rest, root_kept_gathered, sharded_unit
+    from remat.measurement.meter import MemoryMeter
 
     model, batch = _sharded_llama()  # the root keeps its gather (FSDP2's default)
     twin, _ = _sharded_llama()
@@ -367,6 +400,20 @@ def _check_root_left_gathered(rank: int) -> None:
     with pytest.raises(RematError, match=r"rank 0: 3 of the optimizer's parameters have no "
                                          r"storage.*after fully_shard and outside a step"):
         remat.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters()))
+    with torch.no_grad():
+        model(**batch)
+    # The outside step gathers the root afresh inside its meter's region, so that the
+    # meter sees the root's post-backward free its parameters in the prefix's backward: a
+    # root gathered before the region holds storages whose free no view subtracts (the
+    # prefix's backward stood its size high, 16 MiB on a Llama of vocabulary 8192).
+    root = sharded_unit(model).gathered_bytes - sum(
+        sharded_unit(layer).gathered_bytes for layer in model.model.layers)
+    with MemoryMeter() as meter:
+        before = meter.live_bytes
+        with root_kept_gathered(model):
+            # Its parameters at least (gloo's work can hold the all-gather output a while).
+            assert meter.live_bytes - before >= root, (meter.live_bytes - before, root)
+    assert resharded_at_rest(model) == [""]  # no backward ran: the root is put back
     with torch.no_grad():
         model(**batch)
     remat.profile(model, batch, optimizer=opt)
@@ -675,8 +722,12 @@ def test_the_buffers_in_flight_are_units_and_the_root_only_in_its_phases() -> No
     assert _root_over_unit(units, root_buffer=1000) == 600
     part = OutsideCost(held_bytes=7, fwd_peak_bytes=10, bwd_peak_bytes=20,
                        stepped_bwd_peak_bytes=30)
-    assert _root_phases(part, 600) == dataclasses.replace(
+    # The root's buffer over a unit's; in the backward, the first unit's reduce-scatter
+    # input where that is larger (the two are not alive together).
+    assert _root_phases(part, 600, 300) == dataclasses.replace(
         part, fwd_peak_bytes=610, bwd_peak_bytes=620, stepped_bwd_peak_bytes=630)
+    assert _root_phases(part, 0, 300) == dataclasses.replace(
+        part, bwd_peak_bytes=320, stepped_bwd_peak_bytes=330)
     cost = OptionCost(held_bytes=0, holds_input=True, holds_output=False, fwd_peak_bytes=10,
                       bwd_peak_bytes=20)
     first, second = (_with_fsdp(cost, units, i, 600 if i == 0 else 0) for i in (0, 1))

@@ -23,7 +23,7 @@ from remat.core.plan import Plan
 __all__ = ["ShardedUnit", "all_gather_output_kept", "check_world_size", "is_sharded",
            "freed_optimizer_params", "refusal_on_every_rank", "resharded_at_rest",
            "root_kept_gathered", "root_owned_grad_bytes", "sharded_inside", "sharded_unit",
-           "unreduced_grad_bytes", "world_size"]
+           "starts_with_gather", "unreduced_grad_bytes", "world_size"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -292,20 +292,32 @@ def root_kept_gathered(model: nn.Module) -> Iterator[None]:
     the step all-gathers its parameters in the prefix's forward and again in the
     suffix's backward: those windows measured both, over what the sharded profile counts
     of the root (16 MiB twice, the root's size, on a Llama-style model with a vocabulary
-    of 8192 on 2 ranks). With FSDP2's default the root keeps them gathered (its
-    ``reshard_after_forward`` is set to ``False``) and nothing changes. It holds no more
-    than a step does: the root's parameters are gathered through every forward.
+    of 8192 on 2 ranks); it is kept gathered (its ``reshard_after_forward`` set to
+    ``False`` within). With FSDP2's default the root keeps them gathered from its
+    pre-forward on, but it is sharded when the step starts (its post-backward resharded
+    it), so the prefix's window held its all-gather output and its parameters: the
+    Llama's with a vocabulary of 8192 (4 ranks, 4.00 MiB each) stood its prefix's forward
+    13.6 units above its real phase with the first unit's (below; scratch ``slack2.py``,
+    2026-11-29). It is gathered first under either setting (from 2026-11-29). It holds no
+    more than a step does: the root's parameters are gathered through every forward.
     Its price: one all-gather of the root, which the step's forward would have made.
     """
-    cls = _fsdp_module_class()
-    if cls is None or not isinstance(model, cls) or not _reshards_after_forward(model):
+    groups = getattr(_fsdp_state(model), "_fsdp_param_groups", None)
+    if groups is None:
         yield
         return
     # Put back as they were (an HSDP root may reshard onto a smaller mesh: not a bool).
-    groups = model._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
     was = [g.post_forward_mesh_info for g in groups]
-    model.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+    if _reshards_after_forward(model):
+        model.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
     try:
+        # Gathered afresh, inside the caller's meter: a root still gathered from an
+        # earlier pass (a forward without its backward) holds storages from before the
+        # meter's region, whose free at the post-backward no view subtracts (the prefix's
+        # backward of a Llama of vocabulary 8192 on 2 ranks measured 38.67 MB then,
+        # 21.89 MB gathered afresh). Resharding is local; every rank gathers.
+        if getattr(_param_group(model), "is_unsharded", False):
+            model.reshard()  # type: ignore[operator]
         model.unshard()  # type: ignore[operator]
         yield
     except BaseException:
@@ -314,6 +326,20 @@ def root_kept_gathered(model: nn.Module) -> Iterator[None]:
     finally:
         for group, info in zip(groups, was, strict=True):
             group.post_forward_mesh_info = info
+
+
+def starts_with_gather(module: nn.Module) -> bool:
+    """Whether calling ``module`` starts with FSDP2's pre-forward (a ``fully_shard``-ed
+    module: its hook, prepended to any other, all-gathers its parameters and keeps the
+    all-gather output alive into its forward).
+
+    For the profiler's outside step (:mod:`remat.profiler.instrument`), which marks where
+    such a unit starts before that hook runs: a mark after it put the unit's all-gather
+    output and its gathered parameters in the window of the code before it, where
+    :func:`remat.profiler.sharded.sharded_profile` counts them too, in the unit's forward
+    and the buffers in flight (the first unit's, 2.99 MiB each, in the prefix's forward of
+    a Llama-style model on 4 ranks, 2026-11-29)."""
+    return _fsdp_state(module) is not None
 
 
 def check_world_size(model: nn.Module, plan: Plan) -> None:
