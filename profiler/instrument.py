@@ -141,6 +141,17 @@ class _StepWatch:
                      time.perf_counter())
 
     # -- module hooks -------------------------------------------------------------
+    def hook_units(self, modules: list[nn.Module]) -> None:
+        """Hook each unit's start, inputs and end (removed with :attr:`handles`)."""
+        for m in modules:
+            # FSDP2's pre-forward all-gathers the unit: its output and the gathered
+            # parameters are the unit's (the sharded profile counts them in its forward
+            # and the buffers in flight), not the code's before it.
+            self.handles.append(m.register_forward_pre_hook(
+                self.start_hook, prepend=starts_with_gather(m)))
+            self.handles.append(m.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self.post_hook, with_kwargs=True))
+
     def start_hook(self, module: nn.Module, args: tuple) -> None:
         """Where unit ``module`` starts: registered before any other hook of a unit whose
         call starts with FSDP2's all-gather (see :func:`instrumented_step`)."""
@@ -254,25 +265,15 @@ def instrumented_step(
     model, loop = runner.model, runner.loop
     meter = TimelineMeter(device_type=runner.device_type, allocator=True)
     grad_records: dict[int, tuple[int, int]] = {}  # gradient record -> (tick, id(param))
-    # FSDP2's root gathered inside the region, before the step's first mark: no window
-    # measures the root's all-gathers (the sharded profile counts them), and the meter
-    # sees its parameters freed at its post-backward, in the prefix's backward. Gathered
-    # before the region (until 2026-11-29) they were storages from before it, whose free
-    # neither view subtracts: that window stood the root's size (16 MiB) high.
+    # FSDP2's root gathered inside the region, before the first mark (root_kept_gathered:
+    # no window measures its all-gathers, and its post-backward's free is seen).
     with (stubbed([m for _, m in units], clock) as clock, meter,
           root_kept_gathered(model)):
         clock.new_step(shapes_only=False)
         watch = _StepWatch(meter, units, lambda: unreduced_grad_bytes(model),
                            lambda: all_gather_output_kept(model))
         try:
-            for _, m in units:
-                # FSDP2's pre-forward all-gathers the unit: its output and the gathered
-                # parameters are the unit's (the sharded profile counts them in its
-                # forward and the buffers in flight), not the code's before it.
-                watch.handles.append(m.register_forward_pre_hook(
-                    watch.start_hook, prepend=starts_with_gather(m)))
-                watch.handles.append(m.register_forward_pre_hook(watch.pre_hook, with_kwargs=True))
-                watch.handles.append(m.register_forward_hook(watch.post_hook, with_kwargs=True))
+            watch.hook_units([m for _, m in units])
             with torch.autograd.graph.saved_tensors_hooks(watch.pack, watch.unpack):
                 output, loss = runner.forward()
             # The loop keeps the output until the end of the step, or drops it now.
