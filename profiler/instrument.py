@@ -154,7 +154,7 @@ class _StepWatch:
 
     def start_hook(self, module: nn.Module, args: tuple) -> None:
         """Where unit ``module`` starts: registered before any other hook of a unit whose
-        call starts with FSDP2's all-gather (see :func:`instrumented_step`)."""
+        call starts with FSDP2's all-gather (:meth:`hook_units`)."""
         u = self.by_module[id(module)]
         u.fwd_start = self.mark()
         self.phase = ("unit", u.index)
@@ -267,13 +267,13 @@ def instrumented_step(
     grad_records: dict[int, tuple[int, int]] = {}  # gradient record -> (tick, id(param))
     # FSDP2's root gathered inside the region, before the first mark (root_kept_gathered:
     # no window measures its all-gathers, and its post-backward's free is seen).
-    with (stubbed([m for _, m in units], clock) as clock, meter,
-          root_kept_gathered(model)):
+    modules = [m for _, m in units]
+    with stubbed(modules, clock) as clock, meter, root_kept_gathered(model):
         clock.new_step(shapes_only=False)
         watch = _StepWatch(meter, units, lambda: unreduced_grad_bytes(model),
                            lambda: all_gather_output_kept(model))
         try:
-            watch.hook_units([m for _, m in units])
+            watch.hook_units(modules)
             with torch.autograd.graph.saved_tensors_hooks(watch.pack, watch.unpack):
                 output, loss = runner.forward()
             # The loop keeps the output until the end of the step, or drops it now.

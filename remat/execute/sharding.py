@@ -237,12 +237,16 @@ def resharded_at_rest(model: nn.Module) -> list[str]:
     done, and the parameters' values are unchanged; FSDP2 gathers them again at the next
     forward. Its price: that all-gather, which the next forward makes anyway. Local to
     the rank: no collective."""
-    resharded = []
-    for name, module in model.named_modules():
-        if getattr(_param_group(module), "is_unsharded", False):
-            module.reshard()  # type: ignore[operator]
-            resharded.append(name)
-    return resharded
+    return [name for name, module in model.named_modules() if _reshard_if_gathered(module)]
+
+
+def _reshard_if_gathered(module: nn.Module) -> bool:
+    """Reshard ``module``'s own FSDP2 parameters if they are gathered now; whether it did
+    (local to the rank: a reshard frees, it issues no collective)."""
+    if not getattr(_param_group(module), "is_unsharded", False):
+        return False
+    module.reshard()  # type: ignore[operator]
+    return True
 
 
 def freed_optimizer_params(optimizer: Any) -> int:
@@ -316,8 +320,7 @@ def root_kept_gathered(model: nn.Module) -> Iterator[None]:
         # meter's region, whose free at the post-backward no view subtracts (the prefix's
         # backward of a Llama of vocabulary 8192 on 2 ranks measured 38.67 MB then,
         # 21.89 MB gathered afresh). Resharding is local; every rank gathers.
-        if getattr(_param_group(model), "is_unsharded", False):
-            model.reshard()  # type: ignore[operator]
+        _reshard_if_gathered(model)
         model.unshard()  # type: ignore[operator]
         yield
     except BaseException:
